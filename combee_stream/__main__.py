@@ -1,0 +1,3 @@
+from combee_stream.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,77 @@
+"""``combee-stream`` command line.
+
+Each area registers its own subcommands (``register(subparsers)``) and sets ``handler`` on its
+parsers: ``handler(args, config) -> int``, sync or async. This file only wires them together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import sys
+from collections.abc import Sequence
+
+import anyio
+
+from combee_stream.config import ConfigError, load_config
+from combee_stream.errors import UserError
+from combee_stream.logs import configure_logging
+
+# Modules that contribute subcommands, in help order.
+_COMMAND_MODULES = (
+    "combee_stream.kafka.broker",
+    "combee_stream.kafka.commands",
+    "combee_stream.schema_cli",
+    "combee_stream.sim.cli",
+    "combee_stream.learn",
+    "combee_stream.engine.cli",
+    "combee_stream.bench.cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="combee-stream",
+        description="Learn agent playbooks from traces with Combee, over Kafka or files.",
+    )
+    parser.add_argument(
+        "--config",
+        "-c",
+        default=None,
+        help="TOML config file (default: built-in defaults; COMBEE__* env vars override)",
+    )
+    parser.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
+                continue  # TODO(wiring): area not built yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"combee-stream: config error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(args.log_level or config.log.level, config.log.format)
+    handler = args.handler
+    try:
+        if inspect.iscoroutinefunction(handler):
+            result = anyio.run(handler, args, config)
+        else:
+            result = handler(args, config)
+    except KeyboardInterrupt:
+        return 130
+    except (ConfigError, UserError) as exc:
+        print(f"combee-stream: {exc}", file=sys.stderr)
+        return 2
+    return int(result or 0)

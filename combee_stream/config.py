@@ -1,0 +1,201 @@
+"""Configuration in one typed place.
+
+A TOML file (see ``configs/``) decoded into these Structs, then overridden by environment
+variables ``COMBEE__SECTION__FIELD`` (double underscores separate the path, e.g.
+``COMBEE__KAFKA__BOOTSTRAP_SERVERS=127.0.0.1:9092`` or ``COMBEE__LLM__CURATOR__MODEL=gpt-4o``).
+Secrets are never read from files: a role names the *environment variable* that holds its key.
+A bad file or override fails fast with ``ConfigError`` naming the file, the field and the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct, field
+
+ENV_PREFIX = "COMBEE__"
+
+Port = Annotated[int, Meta(ge=1, le=65535)]
+Positive = Annotated[int, Meta(ge=1)]
+PositiveFloat = Annotated[float, Meta(gt=0)]
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is invalid."""
+
+
+class _Section(Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class KafkaConfig(_Section):
+    bootstrap_servers: str = "127.0.0.1:9092"
+    client_id: str = "combee-stream"
+    group_id: str = "combee-stream"
+    traces_topic: str = "combee.traces"
+    prompts_topic: str = "combee.prompts"
+    dlq_topic: str = "combee.dlq"
+    partitions: Positive = 3
+    replication_factor: Positive = 1
+    # Extra per-topic configs for the prompts topic (always compacted). Fast compaction for
+    # tests lives in configs/local.toml, not here.
+    prompts_topic_configs: dict[str, str] = {}
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    sasl_username_env: str = "COMBEE_KAFKA_USERNAME"
+    sasl_password_env: str = "COMBEE_KAFKA_PASSWORD"
+
+
+class BrokerConfig(_Section):
+    """The local development broker started by ``combee-stream kafka start``."""
+
+    kafka_version: str = "4.4.0"
+    host: str = "127.0.0.1"
+    port: Port = 9092
+    controller_port: Port = 9093
+    state_dir: str = ".state/kafka"  # jars, data and logs; relative to the working directory
+    heap: str = "512m"
+    ready_timeout_s: PositiveFloat = 90.0
+
+
+class RoleConfig(_Section):
+    """One LLM role's endpoint. ``base_url`` empty means: take ``OPENAI_BASE_URL``."""
+
+    base_url: str = ""
+    model: str = "gpt-4o-mini"
+    temperature: float = 0.0
+    max_tokens: Positive = 2048
+    api_key_env: str = "OPENAI_API_KEY"
+    # json_schema: OpenAI / vLLM; json_object: llama.cpp (json_object + schema); text: parse.
+    mode: Literal["json_schema", "json_object", "text"] = "json_schema"
+    # USD per million tokens, for cost accounting only.
+    price_in: float = 0.0
+    price_out: float = 0.0
+
+
+class EmbeddingsConfig(_Section):
+    enabled: bool = False
+    base_url: str = ""
+    model: str = "text-embedding-3-small"
+    api_key_env: str = "OPENAI_API_KEY"
+    threshold: Annotated[float, Meta(gt=0, le=1)] = 0.9
+
+
+class LLMConfig(_Section):
+    reflector: RoleConfig = field(default_factory=RoleConfig)
+    curator: RoleConfig = field(default_factory=RoleConfig)
+    combiner: RoleConfig = field(default_factory=RoleConfig)
+    embeddings: EmbeddingsConfig = field(default_factory=EmbeddingsConfig)
+    concurrency: Positive = 16
+    requests_per_minute: Annotated[int, Meta(ge=0)] = 0  # 0 = unlimited
+    tokens_per_minute: Annotated[int, Meta(ge=0)] = 0
+    timeout_s: PositiveFloat = 60.0
+    max_attempts: Positive = 4  # per call, covering transport errors and invalid replies
+    memo_path: str = ""  # completion memo file; empty = in memory only
+
+
+class LearningConfig(_Section):
+    strategy: Literal["combee", "naive", "sequential"] = "combee"
+    batch_size: Positive | Literal["auto"] = "auto"
+    min_batch_size: Positive = 1
+    max_batch_size: Positive = 80
+    duplication: Positive = 2  # augmented shuffle factor p
+    fan_in: Annotated[int, Meta(ge=0)] = 0  # 0 = k = floor(sqrt(n)) groups
+    combine: Literal["union", "llm"] = "union"
+    token_budget: Positive = 80_000
+    seed: int = 0
+    prompts_dir: str = ""  # override prompt templates from this folder
+
+    def __post_init__(self) -> None:
+        if self.min_batch_size > self.max_batch_size:
+            raise ValueError("min_batch_size must be <= max_batch_size")
+
+
+class EngineConfig(_Section):
+    processing_guarantee: Literal["at_least_once_watermark", "exactly_once"] = (
+        "at_least_once_watermark"
+    )
+    max_wait_s: PositiveFloat = 5.0  # a window closes at the batch size or after this long
+    max_windows_in_flight: Positive = 2  # per key
+    queue_size: Positive = 1000
+    max_trace_attempts: Positive = 3  # LLM failures before a trace is parked in the DLQ
+    shutdown_grace_s: PositiveFloat = 30.0
+    metrics_host: str = "127.0.0.1"
+    metrics_port: Annotated[int, Meta(ge=0, le=65535)] = 9464  # 0 = no metrics server
+
+
+class LogConfig(_Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["auto", "json", "console"] = "auto"
+
+
+class Config(_Section):
+    kafka: KafkaConfig = field(default_factory=KafkaConfig)
+    broker: BrokerConfig = field(default_factory=BrokerConfig)
+    llm: LLMConfig = field(default_factory=LLMConfig)
+    learning: LearningConfig = field(default_factory=LearningConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+def _field_path(exc: msgspec.ValidationError) -> tuple[str, str]:
+    """Split msgspec's ``reason - at `$.a.b``` into (``a.b``, reason)."""
+    text = str(exc)
+    if " - at `$" in text:
+        reason, _, where = text.rpartition(" - at `$")
+        return where.rstrip("`").lstrip(".") or "(root)", reason
+    return "(root)", text
+
+
+def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        path = [p.lower() for p in name[len(ENV_PREFIX) :].split("__") if p]
+        node = raw
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"environment {name}: {part} is not a section")
+        node[path[-1]] = _parse_env_value(value)
+    return raw
+
+
+def _parse_env_value(value: str) -> Any:
+    # TOML scalar syntax lets overrides carry ints, floats, bools, arrays and tables;
+    # anything that is not valid TOML is taken as a plain string.
+    try:
+        return tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        return value
+
+
+def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Config:
+    """Load ``path`` (or the defaults when None), apply env overrides, validate everything."""
+    env = os.environ if env is None else env
+    source = str(path) if path else "(defaults)"
+    raw: dict[str, Any] = {}
+    if path:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{source}: file not found") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    raw = _apply_env(raw, env)
+    try:
+        return msgspec.convert(raw, Config, strict=False)
+    except msgspec.ValidationError as exc:
+        where, reason = _field_path(exc)
+        raise ConfigError(f"{source}: {where}: {reason}") from None
+
+
+def secret(env_name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """Secrets come only from the environment."""
+    value = (os.environ if env is None else env).get(env_name)
+    return value or None

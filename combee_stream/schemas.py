@@ -1,0 +1,255 @@
+"""Wire contracts: every record that crosses Kafka or a file is one of these msgspec Structs.
+
+JSON on the wire. Every record carries ``schema`` (its schema version). Changes are additive
+only: a new field always has a default, so an older record still decodes. Decoding is strict
+(unknown fields and wrong types are errors) and the error names the offending field, e.g.
+``Expected `str`, got `int` - at `$.feedback.text```.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Annotated, Any, Final, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta, Struct, field
+
+SCHEMA_VERSION: Final = 1
+
+# A prompt key names one playbook (tenant / agent / task family). It is also the Kafka key,
+# so it must be printable and short.
+Key = Annotated[str, Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:/@-]+$")]
+NonEmpty = Annotated[str, Meta(min_length=1)]
+NonNegative = Annotated[int, Meta(ge=0)]
+BulletTagKind = Literal["helpful", "harmful", "neutral"]
+
+
+class SchemaVersionError(ValueError):
+    """A record names a schema version this build does not know."""
+
+
+class _Record(Struct, forbid_unknown_fields=True, omit_defaults=False):
+    """Base for versioned records: rejects records from a newer, unknown schema."""
+
+    def __post_init__(self) -> None:
+        version = getattr(self, "schema", SCHEMA_VERSION)
+        if not 1 <= version <= SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"unsupported schema version {version} (this build reads 1..{SCHEMA_VERSION})"
+            )
+
+
+# --------------------------------------------------------------------------- traces
+
+
+class Step(Struct, forbid_unknown_fields=True):
+    """One step of an agent's trajectory."""
+
+    kind: Literal["thought", "action", "tool_call", "observation", "message"]
+    content: str
+    name: str | None = None  # tool name for tool_call / observation
+
+
+class Feedback(Struct, forbid_unknown_fields=True):
+    """How the task went. All optional, at least one must be present."""
+
+    score: float | None = None
+    passed: bool | None = None
+    ground_truth: str | None = None
+    text: str | None = None  # environment or user feedback in words
+
+    def __post_init__(self) -> None:
+        if self.score is None and self.passed is None and not self.ground_truth and not self.text:
+            raise ValueError("feedback needs at least one of score, passed, ground_truth, text")
+
+
+class Trace(_Record):
+    """What an agent did on one task and how it went."""
+
+    key: Key
+    trace_id: Annotated[str, Meta(min_length=1, max_length=200)]
+    task: NonEmpty
+    feedback: Feedback
+    output: str = ""
+    steps: list[Step] = []
+    prompt_version: NonNegative = 0
+    bullet_ids: list[str] = []
+    started_at: dt.datetime | None = None
+    finished_at: dt.datetime | None = None
+    metadata: dict[str, str] = {}
+    schema: int = SCHEMA_VERSION
+
+
+# --------------------------------------------------------------------------- learning
+
+
+class Source(Struct, frozen=True, order=True, forbid_unknown_fields=True):
+    """Where a trace came from. ``partition``/``offset`` are -1 for traces read from a file."""
+
+    trace_id: str
+    partition: int = -1
+    offset: int = -1
+
+
+class BulletTag(Struct, frozen=True, order=True, forbid_unknown_fields=True):
+    bullet_id: str
+    tag: BulletTagKind
+
+
+class Reflection(_Record):
+    """The reflector's diagnosis of one trace, with its provenance."""
+
+    key: Key
+    source: Source
+    error_identification: str = ""
+    root_cause: str = ""
+    correct_approach: str = ""
+    key_insight: str = ""
+    bullet_tags: list[BulletTag] = []
+    schema: int = SCHEMA_VERSION
+
+
+class AddOp(Struct, frozen=True, tag="ADD", tag_field="type", forbid_unknown_fields=True):
+    section: NonEmpty
+    content: NonEmpty
+
+
+class UpdateOp(Struct, frozen=True, tag="UPDATE", tag_field="type", forbid_unknown_fields=True):
+    bullet_id: NonEmpty
+    content: NonEmpty
+
+
+class RemoveOp(Struct, frozen=True, tag="REMOVE", tag_field="type", forbid_unknown_fields=True):
+    bullet_id: NonEmpty
+
+
+Operation = AddOp | UpdateOp | RemoveOp
+
+
+class Delta(_Record):
+    """Playbook operations plus counter tags, with the provenance of the traces they cover."""
+
+    key: Key
+    operations: list[Operation] = []
+    tags: list[BulletTag] = []
+    sources: list[Source] = []
+    base_version: NonNegative = 0  # playbook version the delta was computed against
+    schema: int = SCHEMA_VERSION
+
+
+class Bullet(Struct, forbid_unknown_fields=True):
+    id: NonEmpty
+    content: NonEmpty
+    helpful: NonNegative = 0
+    harmful: NonNegative = 0
+
+
+class Section(Struct, forbid_unknown_fields=True):
+    name: NonEmpty
+    bullets: list[Bullet] = []
+
+
+class Playbook(_Record):
+    """An ACE playbook: sections of bullets ``[id] helpful=h harmful=r :: text``."""
+
+    key: Key
+    version: NonNegative = 0
+    base_prompt: str = ""  # operator's own system prompt, rendered above the bullets
+    sections: list[Section] = []
+    next_id: NonNegative = 1  # global bullet-id counter, as in ACE
+    schema: int = SCHEMA_VERSION
+
+
+# --------------------------------------------------------------------------- publishing
+
+
+class UpdateStats(Struct, forbid_unknown_fields=True):
+    traces_learned: NonNegative = 0  # cumulative distinct traces this key's playbook learned from
+    window_traces: NonNegative = 0
+    trace_ids: list[str] = []  # the traces this version learned (its window)
+    strategy: str = ""
+    batch_size: NonNegative = 0
+    llm_calls: NonNegative = 0
+    tokens_in: NonNegative = 0
+    tokens_out: NonNegative = 0
+    delay_s: float = 0.0
+    rejected: str | None = None  # structured reason when a delta was refused (e.g. token budget)
+
+
+class PromptUpdate(_Record):
+    """One published prompt version; the value of the compacted prompts topic, keyed by ``key``.
+
+    ``watermark`` maps a traces-topic partition to the highest offset of this key's traces that
+    this version (and its ancestors) learned from; -1 means none.
+    """
+
+    key: Key
+    version: NonNegative
+    playbook: Playbook
+    prompt: str
+    parent_version: int = -1  # -1 for a seed
+    stats: UpdateStats = field(default_factory=UpdateStats)
+    watermark: dict[int, int] = {}
+    created_at: dt.datetime | None = None
+    schema: int = SCHEMA_VERSION
+
+
+# --------------------------------------------------------------------------- codecs
+
+T = TypeVar("T")
+_encoder = msgspec.json.Encoder()
+
+
+class DecodeError(ValueError):
+    """A record failed to decode or validate. ``reason`` is a one-line, field-naming message."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def encode(record: Any) -> bytes:
+    return _encoder.encode(record)
+
+
+def decode(data: bytes | str, type_: type[T]) -> T:
+    """Strictly decode one JSON record; raise ``DecodeError`` with a field-naming reason."""
+    try:
+        return msgspec.json.decode(data, type=type_)
+    except msgspec.ValidationError as exc:
+        raise DecodeError(f"invalid {type_.__name__}: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise DecodeError(f"malformed JSON: {exc}") from exc
+
+
+def json_schema(type_: Any) -> dict[str, Any]:
+    return msgspec.json.schema(type_)
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "AddOp",
+    "Bullet",
+    "BulletTag",
+    "DecodeError",
+    "Delta",
+    "Feedback",
+    "Operation",
+    "Playbook",
+    "PromptUpdate",
+    "Reflection",
+    "RemoveOp",
+    "Section",
+    "Source",
+    "Step",
+    "Trace",
+    "UpdateOp",
+    "UpdateStats",
+    "decode",
+    "encode",
+    "json_schema",
+]
