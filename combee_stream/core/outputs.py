@@ -1,0 +1,33 @@
+"""What each LLM role must return: msgspec Structs whose JSON Schema is sent as the response
+format and against which every reply is validated (and re-asked on failure)."""
+
+from __future__ import annotations
+
+from msgspec import Struct
+
+from combee_stream.schemas import BulletTag, Operation
+
+
+class ReflectorOutput(Struct, forbid_unknown_fields=False):
+    """Diagnosis of one trace (ACE's reflector output)."""
+
+    reasoning: str
+    error_identification: str
+    root_cause_analysis: str
+    correct_approach: str
+    key_insight: str
+    bullet_tags: list[BulletTag] = []
+
+
+class CuratorOutput(Struct, forbid_unknown_fields=False):
+    """Playbook operations proposed by a curator (level-1 node) or a combiner (level-2 node)."""
+
+    reasoning: str
+    operations: list[Operation]
+
+
+ROLE_OUTPUTS: dict[str, type[Struct]] = {
+    "reflector": ReflectorOutput,
+    "curator": CuratorOutput,
+    "combiner": CuratorOutput,
+}
