@@ -1,0 +1,36 @@
+"""Connection settings shared by every aiokafka client the package creates."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from combee_stream.config import KafkaConfig, secret
+from combee_stream.errors import UserError
+
+
+def client_kwargs(cfg: KafkaConfig, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Bootstrap, client id and security for aiokafka clients; credentials only from env."""
+    kwargs: dict[str, Any] = {
+        "bootstrap_servers": cfg.bootstrap_servers,
+        "client_id": cfg.client_id,
+        "security_protocol": cfg.security_protocol,
+    }
+    if cfg.security_protocol in ("SSL", "SASL_SSL"):
+        from aiokafka.helpers import create_ssl_context
+
+        kwargs["ssl_context"] = create_ssl_context()
+    if cfg.sasl_mechanism:
+        username = secret(cfg.sasl_username_env, env)
+        password = secret(cfg.sasl_password_env, env)
+        if not (username and password):
+            raise UserError(
+                f"kafka.sasl_mechanism={cfg.sasl_mechanism} needs credentials in the environment: "
+                f"set {cfg.sasl_username_env} and {cfg.sasl_password_env}"
+            )
+        kwargs.update(
+            sasl_mechanism=cfg.sasl_mechanism,
+            sasl_plain_username=username,
+            sasl_plain_password=password,
+        )
+    return kwargs

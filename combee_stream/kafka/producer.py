@@ -1,0 +1,67 @@
+"""Sending traces (for agents) and prompt versions (for operators and the engine)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any, Self
+
+from aiokafka import AIOKafkaProducer
+
+from combee_stream.config import KafkaConfig
+from combee_stream.kafka.client import client_kwargs
+from combee_stream.schemas import PromptUpdate, Trace, encode
+
+
+def make_producer(
+    cfg: KafkaConfig, env: Mapping[str, str] | None = None, **overrides: Any
+) -> AIOKafkaProducer:
+    """An idempotent producer (acks=all): retries never duplicate or reorder a partition."""
+    kwargs = {**client_kwargs(cfg, env), "enable_idempotence": True, "acks": "all"}
+    kwargs.update(overrides)
+    return AIOKafkaProducer(**kwargs)
+
+
+class TraceProducer:
+    """Send traces to the traces topic, keyed by prompt key.
+
+    ``async with TraceProducer(config.kafka) as producer: await producer.send(trace)``
+    """
+
+    def __init__(self, cfg: KafkaConfig, env: Mapping[str, str] | None = None) -> None:
+        self._cfg = cfg
+        self._producer = make_producer(cfg, env, linger_ms=5)
+
+    async def __aenter__(self) -> Self:
+        await self._producer.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._producer.stop()
+
+    async def send(self, trace: Trace) -> tuple[int, int]:
+        """Send one validated trace; returns (partition, offset) once the broker has it."""
+        return await self.send_raw(trace.key, encode(trace))
+
+    async def send_raw(self, key: str | None, value: bytes) -> tuple[int, int]:
+        """Send bytes without validation (for testing how the engine handles bad input)."""
+        meta = await self._producer.send_and_wait(
+            self._cfg.traces_topic, value=value, key=key.encode() if key is not None else None
+        )
+        return meta.partition, meta.offset
+
+    async def flush(self) -> None:
+        await self._producer.flush()
+
+
+async def publish_update(
+    producer: AIOKafkaProducer, topic: str, update: PromptUpdate
+) -> tuple[int, int]:
+    """Publish one prompt version to the compacted prompts topic, keyed by its prompt key."""
+    meta = await producer.send_and_wait(topic, value=encode(update), key=update.key.encode())
+    return meta.partition, meta.offset

@@ -1,0 +1,129 @@
+"""PromptSubscriber: what agents use to always start their next task with the newest prompt.
+
+It reads the compacted prompts topic from the beginning (so it knows the newest version of every
+key the moment ``__aenter__`` returns), then follows live updates. A version older than or equal
+to the one it holds is ignored, so a late or replayed record can never roll a key back.
+
+    async with PromptSubscriber(config.kafka, keys={"support-bot"}) as prompts:
+        prompt = prompts.latest("support-bot")
+        async for update in prompts:      # newer versions as they are published
+            ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Collection, Mapping
+from types import TracebackType
+from typing import Any, Self
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from combee_stream.config import KafkaConfig
+from combee_stream.errors import UserError
+from combee_stream.kafka.client import client_kwargs
+from combee_stream.logs import get_logger
+from combee_stream.schemas import DecodeError, PromptUpdate, decode
+
+log = get_logger(__name__)
+
+
+class PromptSubscriber:
+    def __init__(
+        self,
+        cfg: KafkaConfig,
+        *,
+        keys: Collection[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        poll_timeout_ms: int = 500,
+    ) -> None:
+        self._topic = cfg.prompts_topic
+        self._keys = frozenset(keys) if keys is not None else None
+        self._poll_timeout_ms = poll_timeout_ms
+        self._latest: dict[str, PromptUpdate] = {}
+        self.ignored_stale = 0
+        # read_committed: in exactly-once mode a version is visible only once its input offsets
+        # are committed with it.
+        self._consumer = AIOKafkaConsumer(
+            **client_kwargs(cfg, env),
+            group_id=None,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            isolation_level="read_committed",
+        )
+
+    async def __aenter__(self) -> Self:
+        await self._consumer.start()
+        try:
+            await self._catch_up()
+        except BaseException:
+            await self._consumer.stop()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._consumer.stop()
+
+    async def _catch_up(self) -> None:
+        await self._consumer.topics()  # refresh metadata
+        partitions = self._consumer.partitions_for_topic(self._topic)
+        if not partitions:
+            raise UserError(
+                f"prompts topic {self._topic!r} does not exist: run `combee-stream topics create`"
+            )
+        tps = [TopicPartition(self._topic, p) for p in sorted(partitions)]
+        self._consumer.assign(tps)
+        await self._consumer.seek_to_beginning(*tps)
+        end = await self._consumer.end_offsets(tps)
+        for tp in tps:
+            while await self._consumer.position(tp) < end[tp]:
+                await self._poll()
+
+    async def _poll(self) -> list[PromptUpdate]:
+        accepted: list[PromptUpdate] = []
+        batches = await self._consumer.getmany(timeout_ms=self._poll_timeout_ms)
+        for records in batches.values():
+            for record in records:
+                update = self._accept(record)
+                if update is not None:
+                    accepted.append(update)
+        return accepted
+
+    def _accept(self, record: Any) -> PromptUpdate | None:
+        if record.value is None:  # tombstone: the key was deleted
+            key = record.key.decode() if record.key else ""
+            self._latest.pop(key, None)
+            return None
+        try:
+            update = decode(record.value, PromptUpdate)
+        except DecodeError as exc:
+            log.warning("undecodable prompt update skipped", offset=record.offset, reason=str(exc))
+            return None
+        if self._keys is not None and update.key not in self._keys:
+            return None
+        current = self._latest.get(update.key)
+        if current is not None and update.version <= current.version:
+            self.ignored_stale += 1
+            return None
+        self._latest[update.key] = update
+        return update
+
+    def latest(self, key: str) -> PromptUpdate | None:
+        """The newest version seen for ``key`` (None if the key has none)."""
+        return self._latest.get(key)
+
+    def snapshot(self) -> dict[str, PromptUpdate]:
+        return dict(self._latest)
+
+    async def poll(self) -> list[PromptUpdate]:
+        """Read what has arrived (waiting at most the poll timeout); newer versions only."""
+        return await self._poll()
+
+    async def __aiter__(self) -> AsyncIterator[PromptUpdate]:
+        while True:
+            for update in await self._poll():
+                yield update

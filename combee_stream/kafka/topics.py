@@ -1,0 +1,121 @@
+"""Create and check the engine's three topics.
+
+Traces and prompts are co-partitioned: the same partition count and the same key hashing (every
+producer in this package uses aiokafka's default murmur2 partitioner, the Java client's), so a
+key's traces and its prompt versions live in the same partition number and move together when a
+consumer group rebalances. The prompts topic must be compacted: it is the engine's state store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import msgspec
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.errors import TopicAlreadyExistsError
+
+from combee_stream.config import KafkaConfig
+from combee_stream.errors import UserError
+from combee_stream.kafka.client import client_kwargs
+from combee_stream.logs import get_logger
+
+log = get_logger(__name__)
+
+
+class TopicSpec(msgspec.Struct, frozen=True):
+    name: str
+    partitions: int
+    configs: dict[str, str]
+
+
+class TopicMismatchError(UserError):
+    """An existing topic does not match what the engine needs."""
+
+
+def topic_specs(cfg: KafkaConfig) -> list[TopicSpec]:
+    prompts_configs = {"cleanup.policy": "compact", **cfg.prompts_topic_configs}
+    return [
+        TopicSpec(cfg.traces_topic, cfg.partitions, {}),
+        TopicSpec(cfg.prompts_topic, cfg.partitions, prompts_configs),
+        TopicSpec(cfg.dlq_topic, cfg.partitions, {}),
+    ]
+
+
+async def _partition_counts(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for topic in await admin.describe_topics(names):
+        if topic["error_code"] == 0:
+            counts[topic["topic"]] = len(topic["partitions"])
+    return counts
+
+
+async def _cleanup_policy(admin: AIOKafkaAdminClient, name: str) -> str:
+    [response] = await admin.describe_configs(
+        [ConfigResource(ConfigResourceType.TOPIC, name, ["cleanup.policy"])]
+    )
+    for resource in response.to_object()["resources"]:
+        for entry in resource["config_entries"]:
+            if entry["config_names"] == "cleanup.policy":
+                return str(entry["config_value"])
+    return "delete"
+
+
+async def ensure_topics(cfg: KafkaConfig, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Create missing topics, verify existing ones. Returns {topic: "created" | "exists"}.
+
+    Idempotent. Raises TopicMismatchError when existing topics break co-partitioning or the
+    prompts topic is not compacted.
+    """
+    specs = topic_specs(cfg)
+    admin = AIOKafkaAdminClient(**client_kwargs(cfg, env))
+    await admin.start()
+    try:
+        existing = await _partition_counts(admin, [s.name for s in specs])
+        missing = [s for s in specs if s.name not in existing]
+        result = {s.name: "exists" for s in specs if s.name in existing}
+        if missing:
+            response = await admin.create_topics(
+                [
+                    NewTopic(s.name, s.partitions, cfg.replication_factor, topic_configs=s.configs)
+                    for s in missing
+                ]
+            )
+            for name, code, message in _topic_errors(response):
+                if code == TopicAlreadyExistsError.errno:  # lost a race with another creator
+                    result[name] = "exists"
+                elif code != 0:
+                    raise UserError(f"could not create topic {name}: error {code} {message}")
+                else:
+                    result[name] = "created"
+                    log.info("topic created", topic=name)
+        counts = await _partition_counts(admin, [s.name for s in specs])
+        traces, prompts = counts.get(cfg.traces_topic), counts.get(cfg.prompts_topic)
+        if traces != prompts:
+            raise TopicMismatchError(
+                f"traces topic {cfg.traces_topic!r} has {traces} partitions but prompts topic "
+                f"{cfg.prompts_topic!r} has {prompts}: they must be co-partitioned (same count) "
+                "so a key's traces and prompt versions share a partition"
+            )
+        if traces != cfg.partitions:
+            raise TopicMismatchError(
+                f"existing topics have {traces} partitions but kafka.partitions = "
+                f"{cfg.partitions}: set kafka.partitions = {traces} (partitions cannot shrink, "
+                "and growing them moves keys between partitions)"
+            )
+        policy = await _cleanup_policy(admin, cfg.prompts_topic)
+        if "compact" not in policy:
+            raise TopicMismatchError(
+                f"prompts topic {cfg.prompts_topic!r} has cleanup.policy={policy}; it must be "
+                "compact (it holds the newest prompt version per key)"
+            )
+        return result
+    finally:
+        await admin.close()
+
+
+def _topic_errors(response: object) -> list[tuple[str, int, str]]:
+    obj = response.to_object()  # type: ignore[attr-defined]
+    return [
+        (t["topic"], t["error_code"], t.get("error_message") or "") for t in obj["topic_errors"]
+    ]
