@@ -152,7 +152,9 @@ def _field_path(exc: msgspec.ValidationError) -> tuple[str, str]:
     return "(root)", text
 
 
-def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, str]:
+    """Apply overrides in place; return {dotted field path: environment variable}."""
+    applied: dict[str, str] = {}
     for name, value in env.items():
         if not name.startswith(ENV_PREFIX):
             continue
@@ -163,7 +165,8 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
             if not isinstance(node, dict):
                 raise ConfigError(f"environment {name}: {part} is not a section")
         node[path[-1]] = _parse_env_value(value)
-    return raw
+        applied[".".join(path)] = name
+    return applied
 
 
 def _parse_env_value(value: str) -> Any:
@@ -187,11 +190,13 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
             raise ConfigError(f"{source}: file not found") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{source}: not valid TOML: {exc}") from None
-    raw = _apply_env(raw, env)
+    from_env = _apply_env(raw, env)
     try:
         return msgspec.convert(raw, Config, strict=False)
     except msgspec.ValidationError as exc:
         where, reason = _field_path(exc)
+        if where in from_env:
+            source = f"environment {from_env[where]}"
         raise ConfigError(f"{source}: {where}: {reason}") from None
 
 
