@@ -1,0 +1,657 @@
+"""The LLM layer: typed, rate-limited, retried, memoized calls to OpenAI-compatible endpoints.
+
+``LLMClient.complete(role, messages, OutputType)`` sends one chat request with the role's model
+and endpoint, asks for JSON matching ``msgspec.json.schema(OutputType)`` (per role ``mode``),
+validates the reply with msgspec and re-asks the model with its own bad reply and the error when
+it does not validate. Transport failures (429, 5xx, timeouts, connection errors) are retried
+with exponential backoff and full jitter; all attempts share one ``max_attempts`` budget.
+Every finished call is stored in a ``CompletionMemo``, so the same request is never paid twice.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import math
+import os
+import random
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Final, Generic, Literal, NoReturn, Self, TypeVar, cast
+
+import anyio
+import httpx2
+import msgspec
+import openai
+from openai.types.chat import ChatCompletionMessageParam
+
+from combee_stream.config import EmbeddingsConfig, LLMConfig, RoleConfig
+from combee_stream.core.memo import CompletionMemo, MemoEntry, request_key
+from combee_stream.errors import UserError
+from combee_stream.logs import get_logger
+
+log = get_logger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+Role = Literal["reflector", "curator", "combiner"]
+ROLES: Final[tuple[Role, ...]] = ("reflector", "curator", "combiner")
+EMBEDDINGS: Final = "embeddings"  # the usage() entry for embedding calls
+ChatMessage = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": ...}
+
+OPENAI_DEFAULT_BASE_URL: Final = "https://api.openai.com/v1"
+# Local servers (llama.cpp, vLLM, Ollama) accept any key, but the openai client wants one.
+PLACEHOLDER_API_KEY: Final = "not-needed"
+RETRYABLE_STATUS: Final = frozenset({429, 500, 502, 503, 504})
+EMBED_BATCH: Final = 128
+
+
+# --------------------------------------------------------------------------- public types
+
+
+class Completion(msgspec.Struct, Generic[T], frozen=True, kw_only=True):
+    """A validated reply. Tokens are what *this* call paid: 0 when served from the memo."""
+
+    value: T
+    tokens_in: int
+    tokens_out: int
+    cached: bool
+    attempts: int  # HTTP requests made by this call (0 when cached)
+    latency_s: float
+
+
+class RoleUsage(msgspec.Struct, kw_only=True):
+    """Per role accounting. ``calls`` counts complete() calls; cached and failed are subsets."""
+
+    calls: int = 0
+    cached_calls: int = 0
+    failed_calls: int = 0
+    retries: int = 0  # attempts beyond the first, for any reason
+    invalid_replies: int = 0  # replies that did not validate against the schema
+    tokens_in: int = 0
+    tokens_out: int = 0
+    cost_usd: float = 0.0
+    latency_s: float = 0.0  # summed wall time of the calls, waits included
+
+
+class RetryPolicy(msgspec.Struct, frozen=True, kw_only=True):
+    """Backoff between attempts: sleep uniform(0, min(max_s, base_s * 2**(attempt-1)))."""
+
+    base_s: float = 0.5
+    max_s: float = 30.0
+
+
+class LLMCallError(Exception):
+    """An LLM call failed for good: attempts exhausted, or a non-retryable HTTP error."""
+
+    def __init__(self, role: str, reason: str, attempts: int) -> None:
+        super().__init__(f"LLM call for role {role!r} failed after {attempts} attempt(s): {reason}")
+        self.role = role
+        self.reason = reason
+        self.attempts = attempts
+
+
+class MissingEndpointError(UserError):
+    """No base URL and no API key for a role: nothing to call."""
+
+    def __init__(self, section: str, api_key_env: str) -> None:
+        env_path = "COMBEE__" + section.upper().replace(".", "__") + "__BASE_URL"
+        key_hint = (
+            "OPENAI_API_KEY"
+            if api_key_env == "OPENAI_API_KEY"
+            else f"{api_key_env} (named by {section}.api_key_env)"
+        )
+        super().__init__(
+            f"no LLM endpoint for {section}: set {section}.base_url in the config file "
+            f"(or the environment variable {env_path}), or OPENAI_BASE_URL for every role, "
+            f"to use an OpenAI-compatible server; or set {key_hint} to use the OpenAI API."
+        )
+        self.section = section
+
+
+# --------------------------------------------------------------------------- internals
+
+
+class _Endpoint(msgspec.Struct, frozen=True):
+    base_url: str
+    api_key: str
+
+
+class _Transient(Exception):
+    """A failure worth retrying; ``retry_after`` is the server's hint in seconds, if any."""
+
+    def __init__(self, reason: str, retry_after: float | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+class _Fatal(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _InvalidReply(Exception):
+    pass
+
+
+class _RateLimiter:
+    """Requests- and tokens-per-minute token buckets plus a shared Retry-After barrier.
+
+    Callers queue on a fair lock, so admission is FIFO. A 429 with Retry-After moves the barrier
+    and every caller, queued or arriving later, waits until that moment.
+    """
+
+    def __init__(self, requests_per_minute: int, tokens_per_minute: int) -> None:
+        self._rpm = float(requests_per_minute)
+        self._tpm = float(tokens_per_minute)
+        self._requests = self._rpm
+        self._tokens = self._tpm
+        self._stamp = anyio.current_time()
+        self._blocked_until = 0.0
+        self._lock = anyio.Lock()
+
+    def block_until(self, moment: float) -> None:
+        self._blocked_until = max(self._blocked_until, moment)
+
+    def settle(self, estimated: int, actual: int) -> None:
+        """Correct a reservation with the tokens the server reported (may go into debt)."""
+        if self._tpm:
+            self._refill()
+            self._tokens = min(self._tpm, self._tokens + estimated - actual)
+
+    async def acquire(self, tokens: int) -> None:
+        async with self._lock:
+            while True:
+                now = anyio.current_time()
+                if now < self._blocked_until:
+                    await anyio.sleep(self._blocked_until - now)
+                    continue
+                self._refill()
+                # A request larger than the whole bucket is admitted when the bucket is full.
+                need_tokens = min(float(tokens), self._tpm)
+                wait = 0.0
+                if self._rpm and self._requests < 1:
+                    wait = max(wait, (1 - self._requests) * 60.0 / self._rpm)
+                if self._tpm and self._tokens < need_tokens:
+                    wait = max(wait, (need_tokens - self._tokens) * 60.0 / self._tpm)
+                if wait <= 0:
+                    if self._rpm:
+                        self._requests -= 1
+                    if self._tpm:
+                        self._tokens -= need_tokens
+                    return
+                await anyio.sleep(wait)
+
+    def _refill(self) -> None:
+        now = anyio.current_time()
+        elapsed = now - self._stamp
+        self._stamp = now
+        if self._rpm:
+            self._requests = min(self._rpm, self._requests + elapsed * self._rpm / 60.0)
+        if self._tpm:
+            self._tokens = min(self._tpm, self._tokens + elapsed * self._tpm / 60.0)
+
+
+def estimate_tokens(text: str) -> int:
+    """Rough token count used for rate limiting before the server reports usage."""
+    return math.ceil(len(text) / 4)
+
+
+def _retry_after(response: httpx2.Response) -> float | None:
+    """Seconds from ``retry-after-ms`` / ``retry-after`` (delta seconds or an HTTP date)."""
+    headers = response.headers
+    raw_ms = headers.get("retry-after-ms")
+    if raw_ms:
+        try:
+            return max(0.0, float(raw_ms) / 1000.0)
+        except ValueError:
+            pass
+    raw = headers.get("retry-after")
+    if not raw:
+        return None
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(raw)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def output_schema(output_type: type[Any]) -> dict[str, Any]:
+    """msgspec's JSON Schema with the root ``$ref`` inlined (OpenAI wants an object at the root)."""
+    schema = msgspec.json.schema(output_type)
+    ref = schema.get("$ref")
+    defs = schema.get("$defs", {})
+    if isinstance(ref, str) and ref.startswith("#/$defs/") and len(schema) == 2:
+        root = dict(defs[ref.removeprefix("#/$defs/")])
+        if len(defs) > 1 or _refers_to(root, ref):
+            root["$defs"] = defs
+        return root
+    return schema
+
+
+def _refers_to(node: object, ref: str) -> bool:
+    if isinstance(node, dict):
+        return node.get("$ref") == ref or any(_refers_to(v, ref) for v in node.values())
+    if isinstance(node, list):
+        return any(_refers_to(v, ref) for v in node)
+    return False
+
+
+def extract_json(text: str) -> str:
+    """Lenient parse for ``text`` mode: drop code fences and prose, keep the outermost object."""
+    start, end = text.find("{"), text.rfind("}")
+    if start < 0 or end < start:
+        raise _InvalidReply("the reply contains no JSON object")
+    return text[start : end + 1]
+
+
+def _schema_instruction(schema: dict[str, Any]) -> str:
+    return (
+        "\n\nReply with only one JSON object, no prose and no code fences, that matches this "
+        "JSON Schema:\n" + msgspec.json.encode(schema).decode()
+    )
+
+
+def _reask(error: str) -> str:
+    return (
+        f"Your previous reply was not valid: {error}\n"
+        "Reply again with only the corrected JSON object that matches the required schema."
+    )
+
+
+# --------------------------------------------------------------------------- client
+
+
+class LLMClient:
+    """One client for all roles; safe to share between concurrent tasks of one event loop."""
+
+    def __init__(
+        self,
+        config: LLMConfig,
+        *,
+        http_client: httpx2.AsyncClient | None = None,
+        env: Mapping[str, str] | None = None,
+        memo: CompletionMemo | None = None,
+        retry: RetryPolicy | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._config = config
+        self._env: Mapping[str, str] = os.environ if env is None else env
+        self._http_client = http_client
+        self._owns_memo = memo is None
+        self._memo = memo if memo is not None else CompletionMemo(config.memo_path or None)
+        self._retry = retry or RetryPolicy()
+        self._rng = rng or random.Random()
+        self._limiter = anyio.CapacityLimiter(config.concurrency)
+        self._rate = _RateLimiter(config.requests_per_minute, config.tokens_per_minute)
+        self._clients: dict[_Endpoint, openai.AsyncOpenAI] = {}
+        self._usage: dict[str, RoleUsage] = {role: RoleUsage() for role in ROLES}
+        self._closed = False
+
+    # ---------------------------------------------------------------- endpoints
+
+    @property
+    def memo(self) -> CompletionMemo:
+        return self._memo
+
+    def require(self, *roles: Role | Literal["embeddings"]) -> None:
+        """Fail fast (MissingEndpointError) if any of ``roles`` has no endpoint."""
+        for role in roles:
+            if role == EMBEDDINGS:
+                self._endpoint(self._config.embeddings, "llm.embeddings")
+            else:
+                self._endpoint(self._role_config(role), f"llm.{role}")
+
+    def _role_config(self, role: Role) -> RoleConfig:
+        if role not in ROLES:
+            raise ValueError(f"unknown LLM role {role!r} (expected one of {', '.join(ROLES)})")
+        rc: RoleConfig = getattr(self._config, role)
+        return rc
+
+    def _endpoint(self, rc: RoleConfig | EmbeddingsConfig, section: str) -> _Endpoint:
+        base_url = rc.base_url or self._env.get("OPENAI_BASE_URL", "")
+        api_key = self._env.get(rc.api_key_env, "")
+        if not base_url and not api_key:
+            raise MissingEndpointError(section, rc.api_key_env)
+        return _Endpoint(
+            base_url=(base_url or OPENAI_DEFAULT_BASE_URL).rstrip("/"),
+            api_key=api_key or PLACEHOLDER_API_KEY,
+        )
+
+    def _client(self, endpoint: _Endpoint) -> openai.AsyncOpenAI:
+        if self._closed:
+            raise RuntimeError("LLMClient is closed")
+        client = self._clients.get(endpoint)
+        if client is None:
+            client = openai.AsyncOpenAI(
+                base_url=endpoint.base_url,
+                api_key=endpoint.api_key,
+                max_retries=0,  # retries, backoff and Retry-After are handled here
+                timeout=self._config.timeout_s,
+                http_client=self._http_client,
+            )
+            self._clients[endpoint] = client
+        return client
+
+    # ---------------------------------------------------------------- chat
+
+    async def complete(
+        self, role: Role, messages: list[ChatMessage], output_type: type[T]
+    ) -> Completion[T]:
+        """One structured call; raises LLMCallError when it cannot get a valid reply."""
+        rc = self._role_config(role)
+        endpoint = self._endpoint(rc, f"llm.{role}")
+        schema = output_schema(output_type)
+        key = request_key(
+            {
+                "role": role,
+                "model": rc.model,
+                "base_url": endpoint.base_url,
+                "temperature": rc.temperature,
+                "max_tokens": rc.max_tokens,
+                "mode": rc.mode,
+                "messages": messages,
+                "schema": schema,
+            }
+        )
+        usage = self._usage[role]
+        started = anyio.current_time()
+        attempts = 0
+
+        async def compute() -> MemoEntry:
+            nonlocal attempts
+            value, tokens_in, tokens_out, attempts = await self._call_until_valid(
+                role, rc, endpoint, messages, output_type, schema
+            )
+            return MemoEntry(
+                key=key,
+                role=role,
+                model=rc.model,
+                value=msgspec.Raw(msgspec.json.encode(value)),
+                tokens_in=tokens_in,
+                tokens_out=tokens_out,
+            )
+
+        try:
+            entry, hit = await self._memo.get_or_compute(key, compute)
+        except LLMCallError:
+            usage.calls += 1
+            usage.failed_calls += 1
+            usage.latency_s += anyio.current_time() - started
+            raise
+        latency = anyio.current_time() - started
+        usage.calls += 1
+        usage.latency_s += latency
+        if hit:
+            usage.cached_calls += 1
+        value = msgspec.json.decode(entry.value, type=output_type)
+        return Completion(
+            value=value,
+            tokens_in=0 if hit else entry.tokens_in,
+            tokens_out=0 if hit else entry.tokens_out,
+            cached=hit,
+            attempts=0 if hit else attempts,
+            latency_s=latency,
+        )
+
+    async def _call_until_valid(
+        self,
+        role: Role,
+        rc: RoleConfig,
+        endpoint: _Endpoint,
+        messages: list[ChatMessage],
+        output_type: type[T],
+        schema: dict[str, Any],
+    ) -> tuple[T, int, int, int]:
+        """Attempts until a reply validates; returns (value, tokens_in, tokens_out, attempts)."""
+        request = list(messages)
+        response_format: dict[str, Any] | None = None
+        if rc.mode == "json_schema":
+            response_format = {
+                "type": "json_schema",
+                "json_schema": {"name": output_type.__name__, "schema": schema},
+            }
+        elif rc.mode == "json_object":
+            # llama.cpp rejects json_schema but constrains json_object by this extra "schema".
+            response_format = {"type": "json_object", "schema": schema}
+        else:
+            request = _with_instruction(request, _schema_instruction(schema))
+        conversation = request
+        usage = self._usage[role]
+        client = self._client(endpoint)
+        spent_in = spent_out = 0
+        reason = ""
+        for attempt in range(1, self._config.max_attempts + 1):
+            if attempt > 1:
+                usage.retries += 1
+            try:
+                reply, tokens_in, tokens_out = await self._send_chat(
+                    client, rc, conversation, response_format
+                )
+            except _Transient as exc:
+                reason = exc.reason
+                if attempt < self._config.max_attempts:
+                    await self._backoff(role, attempt, exc)
+                continue
+            except _Fatal as exc:
+                self._fail(role, exc.reason, attempt)
+            spent_in += tokens_in
+            spent_out += tokens_out
+            usage.tokens_in += tokens_in
+            usage.tokens_out += tokens_out
+            usage.cost_usd += (tokens_in * rc.price_in + tokens_out * rc.price_out) / 1e6
+            try:
+                text = extract_json(reply) if rc.mode == "text" else reply
+                value = msgspec.json.decode(text, type=output_type)
+            except (_InvalidReply, msgspec.DecodeError) as exc:
+                usage.invalid_replies += 1
+                reason = f"invalid reply: {exc}"
+                log.warning("llm.invalid_reply", role=role, attempt=attempt, error=str(exc)[:300])
+                # Keep only the latest bad reply so the conversation does not grow per attempt.
+                conversation = [
+                    *request,
+                    {"role": "assistant", "content": reply},
+                    {"role": "user", "content": _reask(str(exc))},
+                ]
+                continue
+            return value, spent_in, spent_out, attempt
+        self._fail(role, reason, self._config.max_attempts)
+
+    def _fail(self, role: str, reason: str, attempts: int) -> NoReturn:
+        log.error("llm.call_failed", role=role, attempts=attempts, reason=reason)
+        raise LLMCallError(role, reason, attempts)
+
+    async def _send_chat(
+        self,
+        client: openai.AsyncOpenAI,
+        rc: RoleConfig,
+        conversation: list[ChatMessage],
+        response_format: dict[str, Any] | None,
+    ) -> tuple[str, int, int]:
+        """One HTTP request; returns (reply text, tokens in, tokens out)."""
+        estimate = estimate_tokens("".join(m.get("content", "") for m in conversation))
+        extra_body = {"response_format": response_format} if response_format else None
+
+        async def send() -> Any:
+            return await client.chat.completions.create(
+                model=rc.model,
+                messages=cast("list[ChatCompletionMessageParam]", conversation),
+                temperature=rc.temperature,
+                max_tokens=rc.max_tokens,
+                extra_body=extra_body,
+                timeout=self._config.timeout_s,
+            )
+
+        response = await self._send(send, estimate)
+        usage = getattr(response, "usage", None)
+        choices = getattr(response, "choices", None) or []
+        message = getattr(choices[0], "message", None) if choices else None
+        reply = getattr(message, "content", None)
+        if not isinstance(reply, str):
+            reply = ""
+        tokens_in = getattr(usage, "prompt_tokens", None)
+        tokens_out = getattr(usage, "completion_tokens", None)
+        tokens_in = tokens_in if isinstance(tokens_in, int) else estimate
+        tokens_out = tokens_out if isinstance(tokens_out, int) else estimate_tokens(reply)
+        self._rate.settle(estimate, tokens_in + tokens_out)
+        return reply, tokens_in, tokens_out
+
+    async def _send(self, send: Callable[[], Awaitable[R]], estimate: int) -> R:
+        """Run one request under the concurrency and rate limits; classify its failure."""
+        async with self._limiter:
+            await self._rate.acquire(estimate)
+            try:
+                # The openai timeout bounds each socket phase; this bounds the whole request.
+                with anyio.fail_after(self._config.timeout_s):
+                    return await send()
+            except TimeoutError:
+                raise _Transient(f"timeout after {self._config.timeout_s:g}s") from None
+            except openai.APITimeoutError:
+                raise _Transient(f"timeout after {self._config.timeout_s:g}s") from None
+            except openai.APIConnectionError as exc:
+                raise _Transient(f"connection error: {exc}") from None
+            except openai.APIStatusError as exc:
+                self._rate.settle(estimate, 0)
+                status = exc.status_code
+                detail = f"HTTP {status}: {_short(exc.message)}"
+                if status in RETRYABLE_STATUS:
+                    retry_after = _retry_after(exc.response)
+                    if retry_after is not None:
+                        self._rate.block_until(anyio.current_time() + retry_after)
+                    raise _Transient(detail, retry_after) from None
+                raise _Fatal(detail) from None
+            except openai.APIError as exc:
+                # e.g. a 200 whose body is not JSON: the server misbehaved, try again.
+                raise _Transient(f"bad response: {_short(str(exc))}") from None
+
+    async def _backoff(self, role: str, attempt: int, exc: _Transient) -> None:
+        ceiling = min(self._retry.max_s, self._retry.base_s * 2 ** (attempt - 1))
+        delay = self._rng.uniform(0.0, ceiling)
+        log.warning(
+            "llm.retry",
+            role=role,
+            attempt=attempt,
+            reason=exc.reason,
+            retry_after_s=exc.retry_after,
+            backoff_s=round(delay, 3),
+        )
+        # A Retry-After moment is enforced by the rate limiter for every caller; the jitter
+        # spreads the retries that were all released at that moment.
+        await anyio.sleep(delay)
+
+    # ---------------------------------------------------------------- embeddings
+
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        """Embed ``texts`` in batches of EMBED_BATCH (concurrently, within the limits)."""
+        if not texts:
+            return []
+        ec = self._config.embeddings
+        client = self._client(self._endpoint(ec, "llm.embeddings"))
+        batches = [list(texts[i : i + EMBED_BATCH]) for i in range(0, len(texts), EMBED_BATCH)]
+        results: list[list[list[float]]] = [[] for _ in batches]
+        usage = self._usage.setdefault(EMBEDDINGS, RoleUsage())
+        started = anyio.current_time()
+
+        async def run(index: int, batch: list[str]) -> None:
+            results[index] = await self._embed_batch(client, ec, batch, usage)
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for index, batch in enumerate(batches):
+                    tg.start_soon(run, index, batch)
+        finally:
+            usage.latency_s += anyio.current_time() - started
+        return [vector for batch in results for vector in batch]
+
+    async def _embed_batch(
+        self,
+        client: openai.AsyncOpenAI,
+        ec: EmbeddingsConfig,
+        batch: list[str],
+        usage: RoleUsage,
+    ) -> list[list[float]]:
+        estimate = estimate_tokens("".join(batch))
+
+        async def send() -> Any:
+            return await client.embeddings.create(
+                model=ec.model, input=batch, timeout=self._config.timeout_s
+            )
+
+        usage.calls += 1
+        reason = ""
+        for attempt in range(1, self._config.max_attempts + 1):
+            if attempt > 1:
+                usage.retries += 1
+            try:
+                response = await self._send(send, estimate)
+            except _Transient as exc:
+                reason = exc.reason
+                if attempt < self._config.max_attempts:
+                    await self._backoff(EMBEDDINGS, attempt, exc)
+                continue
+            except _Fatal as exc:
+                usage.failed_calls += 1
+                self._fail(EMBEDDINGS, exc.reason, attempt)
+            tokens = getattr(getattr(response, "usage", None), "prompt_tokens", None)
+            tokens = tokens if isinstance(tokens, int) else estimate
+            self._rate.settle(estimate, tokens)
+            usage.tokens_in += tokens
+            data = sorted(response.data, key=lambda item: item.index)
+            if len(data) != len(batch):
+                reason = f"invalid reply: {len(data)} embeddings for {len(batch)} inputs"
+                usage.invalid_replies += 1
+                continue
+            return [list(item.embedding) for item in data]
+        usage.failed_calls += 1
+        self._fail(EMBEDDINGS, reason, self._config.max_attempts)
+
+    # ---------------------------------------------------------------- accounting, lifecycle
+
+    def usage(self) -> dict[str, RoleUsage]:
+        """A snapshot per role (plus ``embeddings`` once used); safe to keep and serialize."""
+        return {name: msgspec.structs.replace(u) for name, u in self._usage.items()}
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        clients, self._clients = list(self._clients.values()), {}
+        # A caller-provided http_client belongs to the caller: closing an AsyncOpenAI closes it.
+        if self._http_client is None:
+            for client in clients:
+                await client.close()
+        if self._owns_memo:
+            self._memo.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+def _with_instruction(messages: list[ChatMessage], instruction: str) -> list[ChatMessage]:
+    """Append ``instruction`` to the last user message (or add one if there is none)."""
+    out = [dict(m) for m in messages]
+    for message in reversed(out):
+        if message.get("role") == "user":
+            message["content"] = message.get("content", "") + instruction
+            return out
+    out.append({"role": "user", "content": instruction.lstrip()})
+    return out
+
+
+def _short(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
