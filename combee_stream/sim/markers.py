@@ -1,0 +1,56 @@
+"""Lesson markers ``LESSON[<id>]: <text>`` (see helpers contract): how simulated traces carry
+lessons, and how the simulator and the scorer recognise them."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from msgspec import Struct
+
+from combee_stream.schemas import Playbook
+
+# The text runs to the end of the line; ``[ \t]`` (not ``\s``) so it never crosses a newline.
+_MARKER = re.compile(r"LESSON\[([A-Za-z0-9_.-]+)\]:[ \t]*([^\r\n]*)")
+_MENTION = re.compile(r"LESSON\[([A-Za-z0-9_.-]+)\]")
+
+
+class Lesson(Struct, frozen=True):
+    id: str
+    text: str
+
+    @property
+    def line(self) -> str:
+        return marker_line(self.id, self.text)
+
+
+def marker_line(lesson_id: str, text: str) -> str:
+    return f"LESSON[{lesson_id}]: {text}"
+
+
+def find_lessons(text: str) -> list[Lesson]:
+    """Every marker in ``text``, in order (duplicates kept)."""
+    return [Lesson(m.group(1), m.group(2).rstrip()) for m in _MARKER.finditer(text)]
+
+
+def distinct(lessons: Iterable[Lesson]) -> list[Lesson]:
+    """First occurrence of each lesson id, in order."""
+    seen: dict[str, Lesson] = {}
+    for lesson in lessons:
+        seen.setdefault(lesson.id, lesson)
+    return list(seen.values())
+
+
+def mentions(text: str, lesson_id: str) -> bool:
+    """Whether ``text`` carries the marker of ``lesson_id`` (bracketed, so k0-l1 != k0-l10)."""
+    return f"LESSON[{lesson_id}]" in text
+
+
+def retained_ids(playbook: Playbook) -> set[str]:
+    """Ids of the lessons a playbook retains: those whose marker occurs in one of its bullets."""
+    return {
+        match.group(1)
+        for section in playbook.sections
+        for bullet in section.bullets
+        for match in _MENTION.finditer(bullet.content)
+    }
