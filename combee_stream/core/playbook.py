@@ -1,0 +1,446 @@
+"""ACE playbooks: sections of bullets, a deterministic ``apply(delta)``, dedup and a token budget.
+
+Decisions (ACE paper §3 and Combee notes §5 / §8 leave these open):
+
+- **Ids.** ``{slug}-{NNNNN}`` from the playbook's global ``next_id`` counter, as in ACE. The slug
+  map is ACE's plus ``strat`` for STRATEGIES & INSIGHTS (ACE falls back to word initials).
+- **Section names** match after normalisation (case, ``&`` -> ``and``, spaces, punctuation);
+  an ADD to a section the playbook does not have goes to OTHERS (created if missing).
+- **Apply order.** Counter tags first, then ADDs, UPDATEs, REMOVEs, each group in delta order
+  (``delta.merge`` makes that order canonical). An UPDATE/REMOVE/tag of a missing id is skipped
+  and reported, never an error: deltas computed on older snapshots are routine in streaming.
+- **Exact dedup always.** Contents are compared after :func:`normalize` (lowercase, punctuation
+  dropped, whitespace collapsed). An ADD equal to an existing bullet (any section) or to an
+  earlier ADD is skipped as ``duplicate``; an UPDATE that would make two bullets equal is
+  skipped too. So apply never touches a bullet of another section and keeps the playbook free
+  of exact duplicates. :func:`dedup` cleans a playbook that came from elsewhere (first
+  occurrence wins, counters summed).
+- **Semantic dedup is optional** (:func:`apply_semantic`, needs an async ``embed``): an ADD whose
+  cosine similarity to an existing bullet or an earlier kept ADD reaches the threshold is
+  skipped as ``near_duplicate``. It filters the delta instead of LLM-merging bullets (ACE's
+  BulletpointAnalyzer) so apply stays deterministic and costs no generation call.
+- **Token budget.** Tokens are approximated as ``ceil(chars / 4)`` of the rendered prompt (no
+  tokenizer dependency; close to BPE for English). A delta whose result exceeds the budget is
+  rejected whole with a :class:`BudgetRejection` and the playbook is returned unchanged — never
+  truncated. A delta that does not grow an already over-budget playbook is still accepted, so
+  REMOVEs can bring it back under.
+- **Version** + 1 on every accepted apply (even an empty one: it records that a window was
+  learned); a rejected apply leaves the version alone.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import unicodedata
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Final, Literal
+
+from msgspec import Struct
+
+from combee_stream.schemas import (
+    AddOp,
+    Bullet,
+    BulletTag,
+    Delta,
+    Operation,
+    Playbook,
+    RemoveOp,
+    Section,
+    UpdateOp,
+)
+
+DEFAULT_SECTIONS: Final = (
+    "STRATEGIES & INSIGHTS",
+    "FORMULAS & CALCULATIONS",
+    "CODE SNIPPETS & TEMPLATES",
+    "COMMON MISTAKES TO AVOID",
+    "PROBLEM-SOLVING HEURISTICS",
+    "CONTEXT CLUES & INDICATORS",
+    "OTHERS",
+)
+OTHERS: Final = "OTHERS"
+
+_SLUGS: Final = {
+    "strategies_and_insights": "strat",
+    "formulas_and_calculations": "calc",
+    "code_snippets_and_templates": "code",
+    "common_mistakes_to_avoid": "err",
+    "problem_solving_heuristics": "prob",
+    "context_clues_and_indicators": "ctx",
+    "others": "misc",
+    "financial_strategies_and_insights": "fin",
+    "meta_strategies": "meta",
+}
+
+EmbedFn = Callable[[list[str]], Awaitable[list[list[float]]]]
+SkipReason = Literal["missing_bullet", "duplicate", "near_duplicate", "superseded"]
+
+
+class BudgetRejection(Struct, frozen=True, forbid_unknown_fields=True):
+    """Why a delta was refused: its result would exceed the playbook token budget."""
+
+    budget: int
+    would_be: int
+    current: int
+    kind: Literal["token_budget"] = "token_budget"
+
+
+class SkippedOp(Struct, frozen=True, forbid_unknown_fields=True):
+    """One operation or tag of a delta that apply did not carry out, and why."""
+
+    op: Operation | BulletTag
+    reason: SkipReason
+
+
+class ApplyResult(Struct, forbid_unknown_fields=True):
+    """The outcome of one apply. ``playbook`` is the input itself when rejected."""
+
+    playbook: Playbook
+    applied: bool
+    tokens: int  # of the returned playbook
+    added: list[str] = []  # new bullet ids, in order
+    updated: list[str] = []
+    removed: list[str] = []
+    tagged: int = 0
+    skipped: list[SkippedOp] = []
+    rejected: BudgetRejection | None = None
+
+
+class SectionStats(Struct, frozen=True):
+    name: str
+    bullets: int
+    helpful: int
+    harmful: int
+
+
+class PlaybookStats(Struct, frozen=True):
+    """ACE's curator statistics."""
+
+    bullets: int
+    high_performing: int  # helpful > 5 and harmful < 2
+    problematic: int  # harmful >= helpful and harmful > 0
+    unused: int  # helpful == harmful == 0
+    tokens: int
+    sections: list[SectionStats]
+
+
+# --------------------------------------------------------------------------- basics
+
+
+def new_playbook(key: str, base_prompt: str = "") -> Playbook:
+    """An empty playbook with ACE's default sections."""
+    return Playbook(
+        key=key, base_prompt=base_prompt, sections=[Section(name=n) for n in DEFAULT_SECTIONS]
+    )
+
+
+def normalize(text: str) -> str:
+    """Canonical form for exact dedup: NFKC, lowercase, punctuation dropped, spaces collapsed."""
+    text = unicodedata.normalize("NFKC", text).lower()
+    text = re.sub(r"[^\w\s]", " ", text)
+    return " ".join(text.split())
+
+
+def section_key(name: str) -> str:
+    """Canonical form of a section name (``Common mistakes to avoid`` == ``COMMON MISTAKES...``)."""
+    return "_".join(normalize(name.replace("&", " and ")).split())
+
+
+def section_slug(name: str) -> str:
+    key = section_key(name)
+    return _SLUGS.get(key) or "".join(w[0] for w in key.split("_") if w)[:4] or "misc"
+
+
+def count_tokens(text: str) -> int:
+    """Approximate token count: ceil(chars / 4)."""
+    return math.ceil(len(text) / 4)
+
+
+def render_bullet(bullet: Bullet) -> str:
+    return f"[{bullet.id}] helpful={bullet.helpful} harmful={bullet.harmful} :: {bullet.content}"
+
+
+def render(playbook: Playbook) -> str:
+    """The system prompt: ``base_prompt``, then every section as ``## NAME`` and its bullets."""
+    parts: list[str] = []
+    if playbook.base_prompt.strip():
+        parts.append(playbook.base_prompt.rstrip())
+    for section in playbook.sections:
+        lines = [f"## {section.name}", *(render_bullet(b) for b in section.bullets)]
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) + "\n"
+
+
+def playbook_tokens(playbook: Playbook) -> int:
+    return count_tokens(render(playbook))
+
+
+def find_bullet(playbook: Playbook, bullet_id: str) -> Bullet | None:
+    for section in playbook.sections:
+        for bullet in section.bullets:
+            if bullet.id == bullet_id:
+                return bullet
+    return None
+
+
+def bullet_ids(playbook: Playbook) -> set[str]:
+    return {b.id for s in playbook.sections for b in s.bullets}
+
+
+def stats(playbook: Playbook) -> PlaybookStats:
+    bullets = [b for s in playbook.sections for b in s.bullets]
+    return PlaybookStats(
+        bullets=len(bullets),
+        high_performing=sum(1 for b in bullets if b.helpful > 5 and b.harmful < 2),
+        problematic=sum(1 for b in bullets if b.harmful >= b.helpful and b.harmful > 0),
+        unused=sum(1 for b in bullets if b.helpful == 0 and b.harmful == 0),
+        tokens=playbook_tokens(playbook),
+        sections=[
+            SectionStats(
+                name=s.name,
+                bullets=len(s.bullets),
+                helpful=sum(b.helpful for b in s.bullets),
+                harmful=sum(b.harmful for b in s.bullets),
+            )
+            for s in playbook.sections
+        ],
+    )
+
+
+def copy_playbook(playbook: Playbook) -> Playbook:
+    """A deep copy (Structs are mutable; apply never mutates its input)."""
+    return Playbook(
+        key=playbook.key,
+        version=playbook.version,
+        base_prompt=playbook.base_prompt,
+        sections=[
+            Section(
+                name=s.name,
+                bullets=[
+                    Bullet(id=b.id, content=b.content, helpful=b.helpful, harmful=b.harmful)
+                    for b in s.bullets
+                ],
+            )
+            for s in playbook.sections
+        ],
+        next_id=playbook.next_id,
+        schema=playbook.schema,
+    )
+
+
+# --------------------------------------------------------------------------- dedup
+
+
+def dedup(playbook: Playbook) -> Playbook:
+    """Merge exact duplicates (after :func:`normalize`): the first occurrence in section order
+    keeps its id and gets the summed counters; later copies are dropped. Idempotent."""
+    out = copy_playbook(playbook)
+    first: dict[str, Bullet] = {}
+    for section in out.sections:
+        kept: list[Bullet] = []
+        for bullet in section.bullets:
+            norm = normalize(bullet.content)
+            if norm in first:
+                first[norm].helpful += bullet.helpful
+                first[norm].harmful += bullet.harmful
+            else:
+                first[norm] = bullet
+                kept.append(bullet)
+        section.bullets = kept
+    return out
+
+
+def cosine(a: Sequence[float], b: Sequence[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    na = math.sqrt(sum(x * x for x in a))
+    nb = math.sqrt(sum(y * y for y in b))
+    return dot / (na * nb) if na and nb else 0.0
+
+
+async def near_duplicate_adds(
+    playbook: Playbook, adds: Sequence[AddOp], embed: EmbedFn, threshold: float
+) -> list[int]:
+    """Indexes of ``adds`` whose cosine similarity to an existing bullet or to an earlier kept
+    ADD is >= ``threshold``. One embed call for everything; deterministic given the vectors."""
+    if not adds:
+        return []
+    existing = [b.content for s in playbook.sections for b in s.bullets]
+    vectors = await embed([*existing, *(a.content for a in adds)])
+    if len(vectors) != len(existing) + len(adds):
+        raise ValueError(f"embed returned {len(vectors)} vectors for {len(existing) + len(adds)}")
+    kept = list(vectors[: len(existing)])
+    dropped: list[int] = []
+    for i, vector in enumerate(vectors[len(existing) :]):
+        if any(cosine(vector, other) >= threshold for other in kept):
+            dropped.append(i)
+        else:
+            kept.append(vector)
+    return dropped
+
+
+# --------------------------------------------------------------------------- apply
+
+
+def _target_section(playbook: Playbook, name: str) -> Section:
+    wanted = section_key(name)
+    for section in playbook.sections:
+        if section_key(section.name) == wanted:
+            return section
+    for section in playbook.sections:
+        if section_key(section.name) == section_key(OTHERS):
+            return section
+    others = Section(name=OTHERS)
+    playbook.sections.append(others)
+    return others
+
+
+def apply(
+    playbook: Playbook,
+    delta: Delta,
+    *,
+    token_budget: int | None,
+    skip_adds: Sequence[int] = (),
+) -> ApplyResult:
+    """Apply ``delta`` to a copy of ``playbook`` (see the module docstring for the rules).
+
+    ``skip_adds`` are indexes (among the delta's ADDs) to skip as near duplicates; it is how
+    :func:`apply_semantic` feeds its embedding verdicts into this deterministic function.
+    """
+    if delta.key != playbook.key:
+        raise ValueError(f"delta for key {delta.key!r} applied to playbook {playbook.key!r}")
+    out = copy_playbook(playbook)
+    by_id = {b.id: b for s in out.sections for b in s.bullets}
+    section_of = {b.id: s for s in out.sections for b in s.bullets}
+    contents = {normalize(b.content) for b in by_id.values()}
+    skipped: list[SkippedOp] = []
+    added: list[str] = []
+    updated: list[str] = []
+    removed: list[str] = []
+    tagged = 0
+
+    for tag in delta.tags:
+        target = by_id.get(tag.bullet_id)
+        if target is None:
+            skipped.append(SkippedOp(op=tag, reason="missing_bullet"))
+            continue
+        if tag.tag == "helpful":
+            target.helpful += 1
+        elif tag.tag == "harmful":
+            target.harmful += 1
+        tagged += 1
+
+    adds = [op for op in delta.operations if isinstance(op, AddOp)]
+    near = set(skip_adds)
+    for i, add in enumerate(adds):
+        norm = normalize(add.content)
+        if i in near:
+            skipped.append(SkippedOp(op=add, reason="near_duplicate"))
+            continue
+        if norm in contents or not norm:
+            skipped.append(SkippedOp(op=add, reason="duplicate"))
+            continue
+        section = _target_section(out, add.section)
+        bullet = Bullet(id=f"{section_slug(section.name)}-{out.next_id:05d}", content=add.content)
+        out.next_id += 1
+        section.bullets.append(bullet)
+        by_id[bullet.id] = bullet
+        section_of[bullet.id] = section
+        contents.add(norm)
+        added.append(bullet.id)
+
+    updates = [op for op in delta.operations if isinstance(op, UpdateOp)]
+    last_update = {op.bullet_id: i for i, op in enumerate(updates)}
+    for i, update in enumerate(updates):
+        target = by_id.get(update.bullet_id)
+        if target is None:
+            skipped.append(SkippedOp(op=update, reason="missing_bullet"))
+            continue
+        if last_update[update.bullet_id] != i:
+            skipped.append(SkippedOp(op=update, reason="superseded"))
+            continue
+        old, new = normalize(target.content), normalize(update.content)
+        if new != old and (new in contents or not new):
+            skipped.append(SkippedOp(op=update, reason="duplicate"))
+            continue
+        contents.discard(old)
+        contents.add(new)
+        target.content = update.content
+        updated.append(target.id)
+
+    for remove in (op for op in delta.operations if isinstance(op, RemoveOp)):
+        target = by_id.pop(remove.bullet_id, None)
+        if target is None:
+            skipped.append(SkippedOp(op=remove, reason="missing_bullet"))
+            continue
+        section_of[remove.bullet_id].bullets.remove(target)
+        contents.discard(normalize(target.content))
+        removed.append(remove.bullet_id)
+
+    current = playbook_tokens(playbook)
+    would_be = playbook_tokens(out)
+    if token_budget is not None and would_be > token_budget and would_be > current:
+        return ApplyResult(
+            playbook=playbook,
+            applied=False,
+            tokens=current,
+            skipped=skipped,
+            rejected=BudgetRejection(budget=token_budget, would_be=would_be, current=current),
+        )
+    out.version = playbook.version + 1
+    return ApplyResult(
+        playbook=out,
+        applied=True,
+        tokens=would_be,
+        added=added,
+        updated=updated,
+        removed=removed,
+        tagged=tagged,
+        skipped=skipped,
+    )
+
+
+async def apply_semantic(
+    playbook: Playbook,
+    delta: Delta,
+    *,
+    token_budget: int | None,
+    embed: EmbedFn,
+    threshold: float,
+) -> ApplyResult:
+    """:func:`apply` with ADDs that are near duplicates (cosine >= threshold) skipped."""
+    adds = [op for op in delta.operations if isinstance(op, AddOp)]
+    # Exact duplicates are apply's business; only ask about the rest.
+    contents = {normalize(b.content) for s in playbook.sections for b in s.bullets}
+    fresh = [i for i, a in enumerate(adds) if normalize(a.content) not in contents]
+    near = await near_duplicate_adds(playbook, [adds[i] for i in fresh], embed, threshold)
+    return apply(playbook, delta, token_budget=token_budget, skip_adds=[fresh[i] for i in near])
+
+
+__all__ = [
+    "DEFAULT_SECTIONS",
+    "OTHERS",
+    "ApplyResult",
+    "BudgetRejection",
+    "EmbedFn",
+    "PlaybookStats",
+    "SectionStats",
+    "SkippedOp",
+    "apply",
+    "apply_semantic",
+    "bullet_ids",
+    "copy_playbook",
+    "cosine",
+    "count_tokens",
+    "dedup",
+    "find_bullet",
+    "near_duplicate_adds",
+    "new_playbook",
+    "normalize",
+    "playbook_tokens",
+    "render",
+    "render_bullet",
+    "section_key",
+    "section_slug",
+    "stats",
+]

@@ -1,0 +1,272 @@
+"""The reflector, curator and combiner prompts, in one place, versioned and overridable.
+
+The wording lives in ``combee_stream/core/prompts/{reflector,curator,combiner}.md`` (package
+data). A template has a system part and a user part, split by the lines ``<!-- system -->`` and
+``<!-- user -->`` (a file without them is all user message), and ``{placeholders}``:
+
+- reflector: ``{playbook}``, ``{bullets_used}``, ``{trace}``
+- curator: ``{playbook}``, ``{reflections}``, ``{progress}``, ``{stats}``, ``{token_budget}``
+- combiner: ``{playbook}``, ``{partial_updates}``, ``{token_budget}``
+
+Only these names are substituted (one pass, so a value containing ``{x}`` is left alone, and JSON
+examples in a template need no escaping). ``LearningConfig.prompts_dir`` points to a folder whose
+files of the same names replace the defaults; every template is checked when loaded for its
+required placeholders and the tagged blocks of the prompt contract (each tag alone on its line),
+which the simulator and the tests rely on.
+
+Decision (Combee notes §8.5, what a reflection record carries): the curator sees, per
+reflection, its trace id, the task (cut to ``TASK_CHARS``) and the reflection fields; not the
+trajectory, which is multiplied by p·√n per call and was already distilled by the reflector.
+Passing traces are reflected and curated too (ACE tags bullets on successes and they can carry
+lessons). The trajectory given to the reflector is capped at ``STEPS_CHARS`` characters; the
+feedback is never cut.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Final, Literal
+
+from msgspec import Struct
+
+from combee_stream.core.llm import ChatMessage
+from combee_stream.core.playbook import PlaybookStats, find_bullet, render, stats
+from combee_stream.errors import UserError
+from combee_stream.schemas import Delta, Playbook, Reflection, Trace, encode
+
+PROMPTS_VERSION: Final = "v1"
+TASK_CHARS: Final = 600
+STEPS_CHARS: Final = 20_000
+
+PromptRole = Literal["reflector", "curator", "combiner"]
+_SYSTEM_MARK: Final = "<!-- system -->"
+_USER_MARK: Final = "<!-- user -->"
+_PLACEHOLDER = re.compile(r"\{([a-z_]+)\}")
+
+# Placeholders and tagged blocks each template must carry (helpers/contract.md).
+_REQUIRED: Final[dict[PromptRole, tuple[tuple[str, ...], tuple[str, ...]]]] = {
+    "reflector": (("playbook", "bullets_used", "trace"), ("playbook", "bullets_used", "trace")),
+    "curator": (
+        ("playbook", "reflections", "progress", "stats", "token_budget"),
+        ("playbook", "reflections"),
+    ),
+    "combiner": (("playbook", "partial_updates", "token_budget"), ("playbook", "partial_updates")),
+}
+
+
+class ReflectionRecord(Struct, frozen=True):
+    """One item of a curator's input: a reflection and the task it is about."""
+
+    reflection: Reflection
+    task: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Template:
+    role: PromptRole
+    system: str
+    user: str
+    origin: str  # where it was loaded from, for error messages
+
+    def fill(self, values: Mapping[str, str]) -> list[ChatMessage]:
+        def sub(text: str) -> str:
+            return _PLACEHOLDER.sub(lambda m: values.get(m.group(1), m.group(0)), text)
+
+        messages: list[ChatMessage] = []
+        if self.system:
+            messages.append({"role": "system", "content": sub(self.system)})
+        messages.append({"role": "user", "content": sub(self.user)})
+        return messages
+
+
+@dataclass(frozen=True, slots=True)
+class Prompts:
+    reflector: Template
+    curator: Template
+    combiner: Template
+    version: str = PROMPTS_VERSION
+
+
+def parse_template(role: PromptRole, text: str, origin: str) -> Template:
+    """Split and check one template; raise UserError naming ``origin`` if it is unusable."""
+    system, user = "", text
+    if _USER_MARK in text:
+        head, _, user = text.partition(_USER_MARK)
+        system = head.replace(_SYSTEM_MARK, "", 1)
+    template = Template(role=role, system=system.strip(), user=user.strip() + "\n", origin=origin)
+    placeholders, tags = _REQUIRED[role]
+    problems = [
+        f"missing placeholder {{{name}}}"
+        for name in placeholders
+        if f"{{{name}}}" not in template.user
+    ]
+    for tag in tags:
+        for line in (f"<{tag}>", f"</{tag}>"):
+            if not re.search(rf"^[ \t]*{re.escape(line)}[ \t]*$", template.user, re.MULTILINE):
+                problems.append(f"the user part needs the line {line}")
+    if problems:
+        raise UserError(f"prompt template {origin}: " + "; ".join(problems))
+    return template
+
+
+def load_prompts(prompts_dir: str | Path = "") -> Prompts:
+    """The packaged templates, with any of ``prompts_dir/{role}.md`` taking their place."""
+    folder = Path(prompts_dir) if prompts_dir else None
+    if folder is not None and not folder.is_dir():
+        raise UserError(f"prompts_dir {folder} is not a folder")
+    packaged = resources.files("combee_stream.core").joinpath("prompts")
+    loaded: dict[PromptRole, Template] = {}
+    roles: tuple[PromptRole, ...] = ("reflector", "curator", "combiner")
+    for role in roles:
+        override = folder / f"{role}.md" if folder is not None else None
+        if override is not None and override.is_file():
+            loaded[role] = parse_template(role, override.read_text(), str(override))
+        else:
+            resource = packaged.joinpath(f"{role}.md")
+            loaded[role] = parse_template(role, resource.read_text(), f"(packaged) {role}.md")
+    return Prompts(
+        reflector=loaded["reflector"], curator=loaded["curator"], combiner=loaded["combiner"]
+    )
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]} [... {len(text) - limit} chars cut]"
+
+
+def render_trace(trace: Trace) -> str:
+    """Task, output, steps, then the feedback lines of the contract."""
+    lines = [f"task: {trace.task}"]
+    if trace.output:
+        lines.append(f"output: {trace.output}")
+    if trace.steps:
+        steps: list[str] = []
+        for i, step in enumerate(trace.steps, 1):
+            name = f" {step.name}" if step.name else ""
+            steps.append(f"  {i}. [{step.kind}{name}] {step.content}")
+        lines.append("steps:\n" + _cut("\n".join(steps), STEPS_CHARS))
+    fb = trace.feedback
+    if fb.passed is not None:
+        lines.append(f"passed: {'true' if fb.passed else 'false'}")
+    if fb.score is not None:
+        lines.append(f"score: {fb.score:g}")
+    if fb.ground_truth:
+        lines.append(f"ground_truth: {fb.ground_truth}")
+    if fb.text:
+        lines.append(f"feedback: {fb.text}")
+    return "\n".join(lines)
+
+
+def render_bullets_used(playbook: Playbook, trace: Trace) -> str:
+    lines = []
+    for bullet_id in dict.fromkeys(trace.bullet_ids):
+        bullet = find_bullet(playbook, bullet_id)
+        lines.append(f"[{bullet_id}] {bullet.content if bullet else '(not in the playbook)'}")
+    return "\n".join(lines)
+
+
+def render_reflections(records: Sequence[ReflectionRecord]) -> str:
+    blocks = []
+    for i, record in enumerate(records, 1):
+        r = record.reflection
+        fields = [f"[Reflection {i}]", f"trace_id: {r.source.trace_id}"]
+        if record.task:
+            fields.append(f"task: {_cut(record.task, TASK_CHARS)}")
+        fields += [
+            f"error_identification: {r.error_identification}",
+            f"root_cause: {r.root_cause}",
+            f"correct_approach: {r.correct_approach}",
+            f"key_insight: {r.key_insight}",
+        ]
+        blocks.append("\n".join(fields))
+    return "\n---\n".join(blocks)
+
+
+def render_partial_updates(partials: Sequence[Delta]) -> str:
+    blocks = []
+    for i, delta in enumerate(partials, 1):
+        ops = [encode(op).decode() for op in delta.operations]
+        blocks.append("\n".join([f"[Update {i}]", *ops]))
+    return "\n".join(blocks)
+
+
+def render_stats(s: PlaybookStats) -> str:
+    lines = [
+        f"bullets: {s.bullets} (high-performing: {s.high_performing}, "
+        f"problematic: {s.problematic}, unused: {s.unused}); about {s.tokens} tokens"
+    ]
+    lines += [
+        f"- {x.name}: {x.bullets} bullets, helpful {x.helpful}, harmful {x.harmful}"
+        for x in s.sections
+    ]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- messages
+
+
+def reflector_messages(prompts: Prompts, playbook: Playbook, trace: Trace) -> list[ChatMessage]:
+    return prompts.reflector.fill(
+        {
+            "playbook": render(playbook).strip(),
+            "bullets_used": render_bullets_used(playbook, trace),
+            "trace": render_trace(trace),
+        }
+    )
+
+
+def curator_messages(
+    prompts: Prompts,
+    playbook: Playbook,
+    records: Sequence[ReflectionRecord],
+    *,
+    progress: str,
+    token_budget: int,
+    playbook_stats: PlaybookStats | None = None,
+) -> list[ChatMessage]:
+    s = playbook_stats or stats(playbook)
+    return prompts.curator.fill(
+        {
+            "playbook": render(playbook).strip(),
+            "reflections": render_reflections(records),
+            "progress": progress or "not given",
+            "stats": render_stats(s),
+            "token_budget": f"{token_budget} tokens (the playbook uses about {s.tokens})",
+        }
+    )
+
+
+def combiner_messages(
+    prompts: Prompts, playbook: Playbook, partials: Sequence[Delta], *, token_budget: int
+) -> list[ChatMessage]:
+    return prompts.combiner.fill(
+        {
+            "playbook": render(playbook).strip(),
+            "partial_updates": render_partial_updates(partials),
+            "token_budget": f"{token_budget} tokens",
+        }
+    )
+
+
+__all__ = [
+    "PROMPTS_VERSION",
+    "Prompts",
+    "ReflectionRecord",
+    "Template",
+    "combiner_messages",
+    "curator_messages",
+    "load_prompts",
+    "parse_template",
+    "reflector_messages",
+    "render_bullets_used",
+    "render_partial_updates",
+    "render_reflections",
+    "render_stats",
+    "render_trace",
+]
