@@ -149,7 +149,7 @@ class _RateLimiter:
         self._tpm = float(tokens_per_minute)
         self._requests = self._rpm
         self._tokens = self._tpm
-        self._stamp = anyio.current_time()
+        self._stamp: float | None = None  # set on first use: the clock needs a running loop
         self._blocked_until = 0.0
         self._lock = anyio.Lock()
 
@@ -187,7 +187,7 @@ class _RateLimiter:
 
     def _refill(self) -> None:
         now = anyio.current_time()
-        elapsed = now - self._stamp
+        elapsed = 0.0 if self._stamp is None else now - self._stamp
         self._stamp = now
         if self._rpm:
             self._requests = min(self._rpm, self._requests + elapsed * self._rpm / 60.0)
