@@ -26,6 +26,7 @@ from combee_stream.core.llm import (
     MissingEndpointError,
     RetryPolicy,
     Role,
+    extract_json,
 )
 from combee_stream.core.memo import CompletionMemo
 from combee_stream.core.outputs import CuratorOutput, ReflectorOutput
@@ -168,11 +169,11 @@ async def test_valid_structured_reply_in_each_mode(clean_sim: SimServer, mode: s
         assert "JSON Schema" in last and '"key_insight"' in last
 
 
-async def test_text_mode_parses_fenced_reply_leniently() -> None:
-    from combee_stream.core.llm import extract_json
-
-    reply = 'Here you go:\n```json\n{"a": {"b": 1}}\n```\nAnything else?'
-    assert json.loads(extract_json(reply)) == {"a": {"b": 1}}
+def test_text_mode_parses_fenced_reply_leniently() -> None:
+    fenced = 'Here you go:\n```json\n{"a": {"b": "}"}}\n```\nAnything else? {not json}'
+    assert json.loads(extract_json(fenced)) == {"a": {"b": "}"}}
+    assert json.loads(extract_json('Use {x} style: {"a": 1}')) == {"a": 1}
+    assert extract_json('{"a": [1, 2') == '{"a": [1, 2'  # left for validation to reject
 
 
 # --------------------------------------------------------------------------- invalid replies
@@ -481,3 +482,26 @@ async def test_embeddings_are_batched_ordered_and_retried() -> None:
     assert stats["completed"] == 3  # 300 texts in batches of 128
     assert stats["requests"] == 3 + usage.retries
     assert usage.tokens_in == stats["tokens_in"]
+
+
+async def test_embeddings_fail_with_a_plain_llm_call_error() -> None:
+    faults = FaultModel(rate_500=1.0, max_faults_per_request=100)
+    async with (
+        sim_server(SimSettings(faults=faults)) as srv,
+        LLMClient(llm_config(srv.base_url, max_attempts=2), env={}, retry=FAST) as llm,
+    ):
+        with pytest.raises(LLMCallError) as caught:
+            await llm.embed([f"text {i}" for i in range(200)])
+    assert caught.value.role == "embeddings" and caught.value.attempts == 2
+    assert llm.usage()["embeddings"].failed_calls >= 1
+
+
+async def test_rate_limits_on_still_complete_every_call(clean_sim: SimServer) -> None:
+    config = llm_config(clean_sim.base_url, requests_per_minute=6000, tokens_per_minute=10**6)
+    async with LLMClient(config, env={}, retry=FAST) as llm:
+        async with anyio.create_task_group() as tg:
+            for i in range(20):
+                tg.start_soon(llm.complete, "reflector", reflector_messages(i), ReflectorOutput)
+        usage = llm.usage()["reflector"]
+    assert (usage.calls, usage.failed_calls) == (20, 0)
+    assert role_stats(clean_sim, "reflector")["completed"] == 20

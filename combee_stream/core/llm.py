@@ -11,6 +11,7 @@ Every finished call is stored in a ``CompletionMemo``, so the same request is ne
 from __future__ import annotations
 
 import email.utils
+import json
 import math
 import os
 import random
@@ -245,11 +246,25 @@ def _refers_to(node: object, ref: str) -> bool:
 
 
 def extract_json(text: str) -> str:
-    """Lenient parse for ``text`` mode: drop code fences and prose, keep the outermost object."""
-    start, end = text.find("{"), text.rfind("}")
-    if start < 0 or end < start:
+    """Lenient parse for ``text`` mode: the first complete JSON object in the reply, so code
+    fences and prose around it do not matter; else everything from the first ``{`` to the last
+    ``}`` (which then fails validation with a precise error for the re-ask)."""
+    starts = [i for i, char in enumerate(text) if char == "{"]
+    if not starts:
         raise _InvalidReply("the reply contains no JSON object")
-    return text[start : end + 1]
+    for start in starts[:_MAX_JSON_STARTS]:
+        try:
+            value, end = _raw_json.raw_decode(text, start)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, dict):
+            return text[start:end]
+    end = text.rfind("}")
+    return text[starts[0] : end + 1] if end > starts[0] else text[starts[0] :]
+
+
+_raw_json = json.JSONDecoder()
+_MAX_JSON_STARTS = 64  # bounds the work on a long reply full of braces
 
 
 def _schema_instruction(schema: dict[str, Any]) -> str:
@@ -559,8 +574,16 @@ class LLMClient:
         usage = self._usage.setdefault(EMBEDDINGS, RoleUsage())
         started = anyio.current_time()
 
+        failure: LLMCallError | None = None
+
         async def run(index: int, batch: list[str]) -> None:
-            results[index] = await self._embed_batch(client, ec, batch, usage)
+            nonlocal failure
+            try:
+                results[index] = await self._embed_batch(client, ec, batch, usage)
+            except LLMCallError as exc:
+                # Raise the plain error (not an ExceptionGroup) and stop the other batches.
+                failure = failure or exc
+                tg.cancel_scope.cancel()
 
         try:
             async with anyio.create_task_group() as tg:
@@ -568,6 +591,8 @@ class LLMClient:
                     tg.start_soon(run, index, batch)
         finally:
             usage.latency_s += anyio.current_time() - started
+        if failure is not None:
+            raise failure
         return [vector for batch in results for vector in batch]
 
     async def _embed_batch(
