@@ -308,6 +308,7 @@ class LLMClient:
         self._rate = _RateLimiter(config.requests_per_minute, config.tokens_per_minute)
         self._clients: dict[_Endpoint, openai.AsyncOpenAI] = {}
         self._usage: dict[str, RoleUsage] = {role: RoleUsage() for role in ROLES}
+        self._schemas: dict[type[Any], dict[str, Any]] = {}  # msgspec's schema costs ~0.3 ms
         self._closed = False
 
     # ---------------------------------------------------------------- endpoints
@@ -363,7 +364,9 @@ class LLMClient:
         """One structured call; raises LLMCallError when it cannot get a valid reply."""
         rc = self._role_config(role)
         endpoint = self._endpoint(rc, f"llm.{role}")
-        schema = output_schema(output_type)
+        schema = self._schemas.get(output_type)
+        if schema is None:
+            schema = self._schemas[output_type] = output_schema(output_type)
         key = request_key(
             {
                 "role": role,
