@@ -1,0 +1,117 @@
+"""Shared fixtures: the real local Kafka broker, a Config pointed at it, unique names.
+
+The broker is the project's own (``combee-stream kafka start``) on the test ports
+(COMBEE_TEST_KAFKA_PORT, default 19092; controller COMBEE_TEST_KAFKA_CONTROLLER_PORT, default
+port + 1) with its state in .state/kafka-test. If it already runs (``make test`` starts it),
+it is reused and left running; otherwise this session starts it and stops it at the end.
+A broker that cannot start skips the Kafka tests locally and fails them loudly when CI=true.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from combee_stream.config import BrokerConfig, Config, load_config
+from combee_stream.kafka.broker import broker_status
+
+REPO = Path(__file__).resolve().parent.parent
+# Room for the first start's Maven download on top of the broker's own ready timeout.
+_START_SLACK_S = 600.0
+
+
+def _test_broker() -> BrokerConfig:
+    port = int(os.environ.get("COMBEE_TEST_KAFKA_PORT", "19092"))
+    controller = int(os.environ.get("COMBEE_TEST_KAFKA_CONTROLLER_PORT", str(port + 1)))
+    return BrokerConfig(
+        port=port, controller_port=controller, state_dir=str(REPO / ".state" / "kafka-test")
+    )
+
+
+def _broker_command(action: str, broker: BrokerConfig) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "combee_stream",
+        "--log-level",
+        "warning",
+        "kafka",
+        action,
+        "--port",
+        str(broker.port),
+        "--controller-port",
+        str(broker.controller_port),
+        "--state-dir",
+        broker.state_dir,
+    ]
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("true", "1", "yes")
+
+
+@pytest.fixture(scope="session")
+def kafka_broker() -> BrokerConfig:
+    """Where the test broker lives (ports, state dir), e.g. for ``kafka status`` or restarts."""
+    return _test_broker()
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(kafka_broker: BrokerConfig) -> Iterator[str]:
+    """``"127.0.0.1:PORT"`` of a running, warmed-up broker for the whole session."""
+    found = broker_status(kafka_broker)
+    if found.status == "running" and found.state is not None:
+        yield found.state.bootstrap
+        return
+    started = subprocess.run(
+        _broker_command("start", kafka_broker),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=kafka_broker.ready_timeout_s + _START_SLACK_S,
+        check=False,
+    )
+    if started.returncode != 0:
+        reason = (
+            f"the local Kafka broker did not start (exit {started.returncode}):\n"
+            f"{started.stderr.strip()}"
+        )
+        if _in_ci():
+            pytest.fail(reason, pytrace=False)
+        pytest.skip(reason)
+    try:
+        yield started.stdout.strip()
+    finally:
+        subprocess.run(_broker_command("stop", kafka_broker), cwd=REPO, check=False, timeout=60)
+
+
+@pytest.fixture
+def config(kafka_bootstrap: str, kafka_broker: BrokerConfig) -> Config:
+    """The default Config, pointed at the test broker (and nothing from the caller's env)."""
+    return load_config(
+        None,
+        env={
+            "COMBEE__KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap,
+            "COMBEE__BROKER__PORT": str(kafka_broker.port),
+            "COMBEE__BROKER__CONTROLLER_PORT": str(kafka_broker.controller_port),
+            "COMBEE__BROKER__STATE_DIR": f"'{kafka_broker.state_dir}'",  # TOML literal string
+        },
+    )
+
+
+@pytest.fixture
+def unique() -> str:
+    """A short random suffix for topic and group names, so tests never share state."""
+    return uuid.uuid4().hex[:8]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "kafka_bootstrap" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.kafka)
