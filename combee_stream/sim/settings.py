@@ -46,8 +46,9 @@ class FaultModel(Struct, forbid_unknown_fields=True, kw_only=True):
     """Probability of each fault kind per attempt (the kinds are exclusive; rates sum to <= 1).
 
     A request that already failed ``max_faults_per_request`` times always succeeds next, so a
-    client that retries the same request eventually gets an answer. ``timeout_s`` is real (wall)
-    seconds, not scaled by ``time_scale``: it must outlast the client's real timeout.
+    client that retries the same request eventually gets an answer. ``retry_after_s`` is
+    simulated (the Retry-After header says ``retry_after_s / time_scale``); ``timeout_s`` is real
+    seconds, not scaled: it must outlast the client's real timeout.
     """
 
     rate_429: float = 0.0
