@@ -148,6 +148,12 @@ async def test_every_schema_round_trips_through_kafka(config: Config, unique: st
         make_update("k1", 2).playbook,
         make_update("k1", 2),
     ]
+    admin = AIOKafkaAdminClient(bootstrap_servers=cfg.bootstrap_servers)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, 1, 1)])
+    finally:
+        await admin.close()
     producer = make_producer(cfg)
     await producer.start()
     try:

@@ -33,11 +33,15 @@ class PromptSubscriber:
         cfg: KafkaConfig,
         *,
         keys: Collection[str] | None = None,
+        partitions: Collection[int] | None = None,
         env: Mapping[str, str] | None = None,
         poll_timeout_ms: int = 500,
     ) -> None:
         self._topic = cfg.prompts_topic
         self._keys = frozenset(keys) if keys is not None else None
+        # Only these partitions of the prompts topic (the engine restores the keys of the
+        # traces partitions it was assigned; co-partitioning makes the numbers match).
+        self._partitions = frozenset(partitions) if partitions is not None else None
         self._poll_timeout_ms = poll_timeout_ms
         self._latest: dict[str, PromptUpdate] = {}
         self.ignored_stale = 0
@@ -75,6 +79,14 @@ class PromptSubscriber:
             raise UserError(
                 f"prompts topic {self._topic!r} does not exist: run `combee-stream topics create`"
             )
+        if self._partitions is not None:
+            missing = self._partitions - partitions
+            if missing:
+                raise UserError(
+                    f"prompts topic {self._topic!r} has no partitions {sorted(missing)}: "
+                    "traces and prompts topics must be co-partitioned"
+                )
+            partitions = set(self._partitions)
         tps = [TopicPartition(self._topic, p) for p in sorted(partitions)]
         self._consumer.assign(tps)
         await self._consumer.seek_to_beginning(*tps)

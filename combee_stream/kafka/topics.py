@@ -52,7 +52,7 @@ async def _partition_counts(admin: AIOKafkaAdminClient, names: list[str]) -> dic
 
 async def _cleanup_policy(admin: AIOKafkaAdminClient, name: str) -> str:
     [response] = await admin.describe_configs(
-        [ConfigResource(ConfigResourceType.TOPIC, name, ["cleanup.policy"])]
+        [ConfigResource(ConfigResourceType.TOPIC, name, {"cleanup.policy": None})]
     )
     for resource in response.to_object()["resources"]:
         for entry in resource["config_entries"]:

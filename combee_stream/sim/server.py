@@ -4,15 +4,13 @@
 from __future__ import annotations
 
 import contextlib
-import socket
-from collections.abc import AsyncIterator, Generator, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import anyio
 import httpx2
-import uvicorn
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from combee_stream.http import HttpServer, serve_asgi
 from combee_stream.sim.app import SimApp
 from combee_stream.sim.settings import SimSettings
 
@@ -37,34 +35,16 @@ def sim_http_client(
     )
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server, taking over SIGINT/SIGTERM only when asked (the CLI, not tests)."""
-
-    def __init__(self, config: uvicorn.Config, *, capture_signals: bool) -> None:
-        super().__init__(config)
-        self._capture = capture_signals
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        if self._capture:
-            with super().capture_signals():
-                yield
-        else:
-            yield
-
-
 class SimServer:
     """A running simulator. ``base_url`` ends in ``/v1`` (what OpenAI clients expect)."""
 
-    def __init__(self, app: SimApp, server: _Server, host: str, port: int) -> None:
+    def __init__(self, app: SimApp, http: HttpServer) -> None:
         self.app = app
-        self.host = host
-        self.port = port
-        netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        self.root_url = f"http://{netloc}"
+        self.host = http.host
+        self.port = http.port
+        self.root_url = http.root_url
         self.base_url = f"{self.root_url}/v1"
-        self._server = server
-        self._stopped = anyio.Event()
+        self._http = http
 
     def stats(self) -> dict[str, Any]:
         return self.app.stats()
@@ -73,32 +53,11 @@ class SimServer:
         self.app.reset()
 
     def stop(self) -> None:
-        self._server.should_exit = True
+        self._http.stop()
 
     async def wait_stopped(self) -> None:
         """Until the server stops (``stop()``, or Ctrl-C when it captures signals)."""
-        await self._stopped.wait()
-
-    async def _serve(self, sock: socket.socket) -> None:
-        try:
-            await self._server.serve(sockets=[sock])
-        finally:
-            self._stopped.set()
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    """Bind before uvicorn starts, so that port 0 gives a known free port."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted sockets only when the
-    # listening socket names it, and without it keep-alive replies stall ~40 ms (Nagle).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
+        await self._http.wait_stopped()
 
 
 @contextlib.asynccontextmanager
@@ -112,30 +71,10 @@ async def sim_server(
     """Serve the simulator over HTTP on ``host:port`` (0 = any free port) for the duration of
     the block; uvicorn runs in a task group and is shut down on exit. asyncio backend only."""
     app = sim_app(settings)
-    sock = _bind(host, port)
-    with contextlib.closing(sock):
-        config = uvicorn.Config(
-            app,
-            lifespan="off",
-            log_config=None,
-            log_level="warning",
-            access_log=False,
-            timeout_graceful_shutdown=_SHUTDOWN_GRACE_S,
-        )
-        server = SimServer(
-            app, _Server(config, capture_signals=capture_signals), host, sock.getsockname()[1]
-        )
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(server._serve, sock)
-            # uvicorn offers no startup event; poll its flag (a few ms at most).
-            while not server._server.started:
-                if server._stopped.is_set():
-                    raise RuntimeError("the simulator's HTTP server failed to start")
-                await anyio.sleep(0.005)
-            try:
-                yield server
-            finally:
-                server.stop()
+    async with serve_asgi(
+        app, host, port, capture_signals=capture_signals, grace_s=_SHUTDOWN_GRACE_S
+    ) as http:
+        yield SimServer(app, http)
 
 
 class BlockingSimServer:

@@ -1,0 +1,104 @@
+"""Serve an ASGI app with uvicorn inside the caller's task group (simulator, metrics)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Generator
+from typing import Any
+
+import anyio
+import uvicorn
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, taking over SIGINT/SIGTERM only when asked (a CLI, not a library)."""
+
+    def __init__(self, config: uvicorn.Config, *, capture_signals: bool) -> None:
+        super().__init__(config)
+        self._capture = capture_signals
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        if self._capture:
+            with super().capture_signals():
+                yield
+        else:
+            yield
+
+
+class HttpServer:
+    """A running server; ``root_url`` is ``http://host:port``."""
+
+    def __init__(self, server: _Server, host: str, port: int) -> None:
+        self.host = host
+        self.port = port
+        netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.root_url = f"http://{netloc}"
+        self._server = server
+        self._stopped = anyio.Event()
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+
+    async def wait_stopped(self) -> None:
+        """Until the server stops (``stop()``, or Ctrl-C when it captures signals)."""
+        await self._stopped.wait()
+
+    async def _serve(self, sock: socket.socket) -> None:
+        try:
+            await self._server.serve(sockets=[sock])
+        finally:
+            self._stopped.set()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """Bind before uvicorn starts, so that port 0 gives a known free port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted sockets only when the
+    # listening socket names it, and without it keep-alive replies stall ~40 ms (Nagle).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+@contextlib.asynccontextmanager
+async def serve_asgi(
+    app: Any,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    capture_signals: bool = False,
+    grace_s: int = 1,
+) -> AsyncIterator[HttpServer]:
+    """Serve ``app`` on ``host:port`` (0 = any free port) for the duration of the block.
+    asyncio backend only (uvicorn)."""
+    sock = bind(host, port)
+    with contextlib.closing(sock):
+        config = uvicorn.Config(
+            app,
+            lifespan="off",
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=grace_s,
+        )
+        server = HttpServer(
+            _Server(config, capture_signals=capture_signals), host, sock.getsockname()[1]
+        )
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(server._serve, sock)
+            # uvicorn offers no startup event; poll its flag (a few ms at most).
+            while not server._server.started:
+                if server._stopped.is_set():
+                    raise RuntimeError(f"the HTTP server on {host}:{port} failed to start")
+                await anyio.sleep(0.005)
+            try:
+                yield server
+            finally:
+                server.stop()
