@@ -23,6 +23,7 @@ import base64
 import contextlib
 import fcntl
 import os
+import re
 import shutil
 import signal
 import socket
@@ -206,6 +207,11 @@ def ensure_jars(cfg: BrokerConfig) -> Path:
     lib = paths.lib_dir
     if (lib / _COMPLETE_MARKER).exists():
         return lib
+    if not cfg.kafka_version.startswith("4."):
+        # 3.x needs reload4j instead of the Log4j2 binding and -Dlog4j.configuration.
+        raise BrokerError(
+            f"broker.kafka_version {cfg.kafka_version!r}: assets/pom.xml is for Kafka 4.x only"
+        )
     mvn = shutil.which("mvn")
     if mvn is None:
         raise BrokerError(
@@ -237,7 +243,9 @@ def ensure_jars(cfg: BrokerConfig) -> Path:
     )
     broker_jar = partial / f"kafka_2.13-{cfg.kafka_version}.jar"
     if done.returncode != 0 or not broker_jar.exists():
-        output = _last_lines(done.stdout + done.stderr, _LOG_TAIL_LINES)
+        # Debian's Maven 3.8 colours its output even in batch mode
+        plain = re.sub(r"\x1b\[[0-9;]*m", "", done.stdout + done.stderr)
+        output = _last_lines(plain, _LOG_TAIL_LINES)
         raise BrokerError(
             f"Maven could not assemble Kafka {cfg.kafka_version} (exit {done.returncode})",
             output,
