@@ -11,7 +11,8 @@
 - tags are a multiset sum (each tag is one vote of one trace), sorted;
 - sources are a set union, sorted;
 - ``base_version`` is the minimum over non-empty deltas (the oldest snapshot any part was
-  computed on), and an empty delta (no operations, tags or sources) is the identity.
+  computed on); an empty delta (no operations, tags or sources) is neutral for a non-empty one,
+  two empty ones keep the larger version, so ``empty(key)`` (version 0) is the identity.
 
 So the result of a tree of merges does not depend on its shape or on the order in which nodes
 finish, and ids allocated by ``apply`` for a canonical delta are reproducible. The price: the
@@ -91,6 +92,8 @@ def merge(a: Delta, b: Delta) -> Delta:
         return canonical(a)
     if is_empty(a) and not is_empty(b):
         return canonical(b)
+    if is_empty(a) and is_empty(b):  # max, so that empty(key) (version 0) is the identity
+        return empty(a.key, max(a.base_version, b.base_version))
     return Delta(
         key=a.key,
         operations=canonical_operations([*a.operations, *b.operations]),

@@ -1,0 +1,329 @@
+"""The learning core: one window of traces -> one new playbook version (Map, Shuffle, Reduce).
+
+Used by offline learning (``combee-stream learn``), the Kafka engine and the benchmarks, so it
+does no I/O besides LLM (and optional embedding) calls.
+
+One window:
+
+1. **Map** — reflect every trace in parallel against the frozen snapshot. A trace whose
+   reflector call fails after the client's retries lands in ``WindowResult.failed`` with the
+   reason (the caller decides whether to retry it in a later window); it is never dropped.
+2. **Tags** — all bullet tags of the window are collected once; the curators see the snapshot
+   with them applied (as the reference ACE-batch code does), the final delta carries them.
+3. **Shuffle + tree** (:mod:`combee_stream.core.scan`) on the frozen snapshot.
+4. **Apply** the merged delta (tags, operations, provenance) with the token budget and the
+   optional semantic dedup.
+
+Decisions (Combee notes §8):
+
+- **Determinism.** Records are sorted by source before the shuffle and the RNG is seeded from
+  (seed, key, snapshot version, the window's trace ids), so a retried or resumed window groups
+  exactly as before and every LLM request is replayed from the completion memo.
+- **Failures (§8.10).** A failed reflector call costs only its trace (reported). A failed
+  curator, combiner or embedding call fails the window (:class:`WindowError`) and nothing is
+  applied: dropping a group would silently lose lessons. Retrying the window is cheap because
+  the client memoizes finished calls.
+- **Budget rejection.** If the merged delta would exceed the token budget it is rejected with its
+  structured reason; the window still records its traces and tags (a tags-only delta, or an
+  empty one if even that does not fit), so every window yields exactly one new version and the
+  traces are not learned twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Sequence
+from typing import Protocol, TypeVar
+
+import anyio
+import msgspec
+from msgspec import Struct
+
+from combee_stream.config import LearningConfig
+from combee_stream.core.delta import empty, merge
+from combee_stream.core.llm import ChatMessage, Completion, LLMCallError, Role
+from combee_stream.core.outputs import CuratorOutput, ReflectorOutput
+from combee_stream.core.playbook import (
+    ApplyResult,
+    EmbedFn,
+    apply,
+    apply_semantic,
+    playbook_tokens,
+)
+from combee_stream.core.prompts import (
+    Prompts,
+    ReflectionRecord,
+    combiner_messages,
+    curator_messages,
+    load_prompts,
+    reflector_messages,
+)
+from combee_stream.core.scan import (
+    ScanParams,
+    StrategySpec,
+    augmented_shuffle,
+    plan,
+    reduce_tree,
+    strategy,
+)
+from combee_stream.schemas import BulletTag, Delta, Playbook, Reflection, Source, Trace
+
+T = TypeVar("T")
+
+
+class LLM(Protocol):
+    """What the learner needs from :class:`combee_stream.core.llm.LLMClient`."""
+
+    async def complete(
+        self, role: Role, messages: list[ChatMessage], output_type: type[T]
+    ) -> Completion[T]: ...
+
+
+class WindowError(Exception):
+    """The window could not be reduced (a curator / combiner / embedding call failed for good).
+    Nothing was applied; retrying replays the finished calls from the completion memo."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"window of key {key!r} failed: {reason}")
+        self.key = key
+        self.reason = reason
+
+
+class FailedTrace(Struct, frozen=True):
+    source: Source
+    reason: str
+
+
+class WindowStats(Struct):
+    """What one window cost. ``llm_calls`` counts complete() calls (memo hits included, see
+    ``cached_calls``; failed calls included); tokens are what was paid (0 for memo hits)."""
+
+    strategy: str
+    traces: int = 0
+    reflected: int = 0
+    failed: int = 0
+    groups: int = 0
+    duplication: int = 1
+    llm_calls: int = 0
+    cached_calls: int = 0
+    reflector_calls: int = 0
+    curator_calls: int = 0
+    combiner_calls: int = 0
+    tokens_in: int = 0
+    tokens_out: int = 0
+    max_curator_items: int = 0
+    max_combiner_items: int = 0
+    rounds: int = 0  # sequential LLM rounds: map + level 1 + LLM combine levels
+    delay_s: float = 0.0
+
+
+class WindowResult(Struct):
+    playbook: Playbook  # the new version (the input itself when nothing was learned)
+    delta: Delta  # what was applied (after a budget fallback: the tags-only / empty delta)
+    proposed: Delta  # the merged delta of the window, before any fallback
+    applied: ApplyResult
+    failed: list[FailedTrace]
+    reflections: list[Reflection]
+    stats: WindowStats
+
+    @property
+    def learned(self) -> list[Source]:
+        """Traces this version learned from (empty when every reflection failed)."""
+        return self.delta.sources if self.applied.applied else []
+
+
+def _window_rng(seed: int, key: str, version: int, sources: Sequence[Source]) -> random.Random:
+    material = f"{seed}|{key}|{version}|" + ",".join(s.trace_id for s in sources)
+    return random.Random(int.from_bytes(hashlib.sha256(material.encode()).digest()[:8], "big"))
+
+
+class Learner:
+    """Learns one window at a time; holds no playbook state (the caller owns the versions)."""
+
+    def __init__(
+        self,
+        llm: LLM,
+        learning: LearningConfig,
+        *,
+        embed: EmbedFn | None = None,
+        dedup_threshold: float = 0.9,
+        prompts: Prompts | None = None,
+        strategy_name: str | None = None,
+    ) -> None:
+        self._llm = llm
+        self._config = learning
+        self._embed = embed
+        self._threshold = dedup_threshold
+        self._prompts = prompts or load_prompts(learning.prompts_dir)
+        self.spec: StrategySpec = strategy(strategy_name or learning.strategy)
+        self.params = ScanParams(
+            duplication=learning.duplication,
+            fan_in=learning.fan_in,
+            combine=learning.combine,
+            single_group=self.spec.single_group,
+        )
+
+    async def learn_window(
+        self,
+        playbook: Playbook,
+        traces: Sequence[tuple[Trace, Source]],
+        *,
+        progress: str = "",
+    ) -> WindowResult:
+        started = anyio.current_time()
+        key = playbook.key
+        for trace, _ in traces:
+            if trace.key != key:
+                raise ValueError(
+                    f"trace {trace.trace_id!r} of key {trace.key!r} in window of {key!r}"
+                )
+        if self.spec.window_size is not None and len(traces) > self.spec.window_size:
+            raise ValueError(
+                f"strategy {self.spec.name!r} learns {self.spec.window_size} trace(s) per window, "
+                f"got {len(traces)}"
+            )
+        stats = WindowStats(strategy=self.spec.name, traces=len(traces))
+        snapshot = playbook
+
+        # ---- Map: reflect every trace against the frozen snapshot.
+        reflections: list[Reflection | None] = [None] * len(traces)
+        failed: list[FailedTrace] = []
+
+        async def reflect(i: int, trace: Trace, source: Source) -> None:
+            messages = reflector_messages(self._prompts, snapshot, trace)
+            try:
+                out = await self._call("reflector", messages, ReflectorOutput, stats)
+            except LLMCallError as exc:
+                failed.append(FailedTrace(source=source, reason=str(exc)))
+                return
+            reflections[i] = Reflection(
+                key=key,
+                source=source,
+                error_identification=out.error_identification,
+                root_cause=out.root_cause_analysis,
+                correct_approach=out.correct_approach,
+                key_insight=out.key_insight,
+                bullet_tags=list(out.bullet_tags),
+            )
+
+        async with anyio.create_task_group() as tg:
+            for i, (trace, source) in enumerate(traces):
+                tg.start_soon(reflect, i, trace, source)
+        stats.rounds = 1 if traces else 0
+
+        tasks = {source: trace.task for trace, source in traces}
+        records = sorted(
+            (ReflectionRecord(reflection=r, task=tasks[r.source]) for r in reflections if r),
+            key=lambda rec: rec.reflection.source,
+        )
+        stats.reflected = len(records)
+        stats.failed = len(failed)
+        failed.sort(key=lambda f: f.source)
+        done = [rec.reflection for rec in records]
+        if not records:
+            stats.delay_s = anyio.current_time() - started
+            unchanged = ApplyResult(
+                playbook=playbook, applied=False, tokens=playbook_tokens(playbook)
+            )
+            nothing = empty(key, playbook.version)
+            return WindowResult(playbook, nothing, nothing, unchanged, failed, done, stats)
+
+        # ---- Tags: applied once; the curators see the tagged snapshot.
+        sources = [rec.reflection.source for rec in records]
+        tags: list[BulletTag] = [t for rec in records for t in rec.reflection.bullet_tags]
+        base = Delta(key=key, tags=tags, sources=sources, base_version=snapshot.version)
+        tagged = apply(snapshot, Delta(key=key, tags=tags), token_budget=None).playbook
+
+        # ---- Shuffle + tree.
+        window_plan = plan(len(records), self.params)
+        stats.groups, stats.duplication = window_plan.groups, window_plan.duplication
+        rng = _window_rng(self._config.seed, key, snapshot.version, sources)
+        groups = augmented_shuffle(records, window_plan.duplication, window_plan.groups, rng)
+        budget = self._config.token_budget
+
+        async def curate(group: Sequence[ReflectionRecord]) -> Delta:
+            messages = curator_messages(
+                self._prompts, tagged, group, progress=progress, token_budget=budget
+            )
+            out = await self._call("curator", messages, CuratorOutput, stats)
+            return Delta(
+                key=key,
+                operations=list(out.operations),
+                sources=sorted({rec.reflection.source for rec in group}),
+                base_version=snapshot.version,
+            )
+
+        async def combine(partials: Sequence[Delta]) -> Delta:
+            messages = combiner_messages(self._prompts, tagged, partials, token_budget=budget)
+            out = await self._call("combiner", messages, CuratorOutput, stats)
+            return Delta(key=key, operations=list(out.operations), base_version=snapshot.version)
+
+        try:
+            tree_delta, tree = await reduce_tree(
+                key,
+                groups,
+                curate,
+                combine=combine if self.params.combine == "llm" else None,
+                fan_in=self.params.fan_in,
+            )
+        except LLMCallError as exc:
+            raise WindowError(key, str(exc)) from exc
+        stats.max_curator_items = tree.max_curator_items
+        stats.max_combiner_items = tree.max_combiner_items
+        stats.rounds += 1 + tree.combine_rounds
+
+        # ---- Apply (budget, dedup), falling back to tags / provenance only.
+        proposed = merge(base, tree_delta)
+        result = await self._apply(snapshot, proposed)
+        applied_delta = proposed
+        if not result.applied:
+            for fallback in (
+                Delta(key=key, tags=tags, sources=sources, base_version=snapshot.version),
+                Delta(key=key, sources=sources, base_version=snapshot.version),
+            ):
+                attempt = apply(snapshot, fallback, token_budget=budget)
+                if attempt.applied:
+                    applied_delta = fallback
+                    result = msgspec.structs.replace(attempt, rejected=result.rejected)
+                    break
+        stats.delay_s = anyio.current_time() - started
+        return WindowResult(
+            playbook=result.playbook,
+            delta=applied_delta,
+            proposed=proposed,
+            applied=result,
+            failed=failed,
+            reflections=done,
+            stats=stats,
+        )
+
+    async def _apply(self, snapshot: Playbook, delta: Delta) -> ApplyResult:
+        budget = self._config.token_budget
+        if self._embed is None:
+            return apply(snapshot, delta, token_budget=budget)
+        try:
+            return await apply_semantic(
+                snapshot, delta, token_budget=budget, embed=self._embed, threshold=self._threshold
+            )
+        except LLMCallError as exc:
+            raise WindowError(snapshot.key, f"embedding dedup: {exc}") from exc
+
+    async def _call(
+        self, role: Role, messages: list[ChatMessage], output_type: type[T], stats: WindowStats
+    ) -> T:
+        stats.llm_calls += 1
+        if role == "reflector":
+            stats.reflector_calls += 1
+        elif role == "curator":
+            stats.curator_calls += 1
+        else:
+            stats.combiner_calls += 1
+        completion = await self._llm.complete(role, messages, output_type)
+        stats.cached_calls += int(completion.cached)
+        stats.tokens_in += completion.tokens_in
+        stats.tokens_out += completion.tokens_out
+        return completion.value
+
+
+__all__ = ["LLM", "FailedTrace", "Learner", "WindowError", "WindowResult", "WindowStats"]

@@ -1,0 +1,423 @@
+"""``combee-stream learn`` end to end, against the SIMULATED LLM server over real HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+
+from combee_stream import cli
+from combee_stream.config import Config, load_config
+from combee_stream.core.learner import Learner
+from combee_stream.core.playbook import new_playbook
+from combee_stream.core.prompts import load_prompts
+from combee_stream.errors import UserError
+from combee_stream.learn import LearnReport, run_learn
+from combee_stream.schemas import PromptUpdate, Source, Trace, decode, encode
+from combee_stream.sim import (
+    FaultModel,
+    LatencyModel,
+    SimSettings,
+    generate_traces,
+    score,
+    sim_server,
+    sim_server_blocking,
+)
+from combee_stream.sim.markers import find_lessons, retained_ids
+from combee_stream.sim.score import load_playbooks
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def write_traces(path: Path, traces: list[Trace], extra: bytes = b"") -> Path:
+    path.write_bytes(b"".join(encode(t) + b"\n" for t in traces) + extra)
+    return path
+
+
+def complete_lines(path: Path) -> list[bytes]:
+    """Lines that end in a newline (a process killed mid-write may leave a torn last one)."""
+    return path.read_bytes().split(b"\n")[:-1] if path.exists() else []
+
+
+def read_history(out: Path) -> list[PromptUpdate]:
+    return [decode(line, PromptUpdate) for line in complete_lines(out / "history.jsonl")]
+
+
+def check_history(out: Path, traces: list[Trace]) -> list[PromptUpdate]:
+    """Versions 1..n per key, each parent the previous one; every trace learned exactly once."""
+    updates = read_history(out)
+    versions: dict[str, list[int]] = {}
+    for update in updates:
+        versions.setdefault(update.key, []).append(update.version)
+        assert update.parent_version == update.version - 1
+        assert update.playbook.version == update.version
+    for key, seen in versions.items():
+        assert seen == list(range(1, len(seen) + 1)), key
+    learned = Counter((u.key, tid) for u in updates for tid in u.stats.trace_ids)
+    assert learned == Counter((t.key, t.trace_id) for t in traces), "each trace exactly once"
+    playbooks = load_playbooks(out)
+    newest = {u.key: u for u in updates}
+    assert {k: p.version for k, p in playbooks.items()} == {k: u.version for k, u in newest.items()}
+    return updates
+
+
+def sim_config(base_url: str, **env: str) -> tuple[Config, dict[str, str]]:
+    environ = {"OPENAI_BASE_URL": base_url, **env}
+    return load_config(None, env=environ), environ
+
+
+async def learn(
+    settings: SimSettings,
+    traces_file: Path,
+    out: Path,
+    *,
+    env: Mapping[str, str] | None = None,
+    **kwargs: Any,
+) -> tuple[LearnReport, dict[str, Any]]:
+    async with sim_server(settings) as server:
+        config, environ = sim_config(server.base_url, **(env or {}))
+        report = await run_learn(config, traces_file, out, env=environ, **kwargs)
+        return report, server.stats()
+
+
+def lesson_lines(traces: list[Trace], key: str) -> set[str]:
+    return {
+        lesson.line
+        for t in traces
+        if t.key == key
+        for lesson in find_lessons(t.feedback.text or "")
+    }
+
+
+# --------------------------------------------------------------------------- strategies
+
+
+@pytest.mark.parametrize("strategy", ["sequential", "naive", "combee"])
+def test_each_strategy_learns_every_lesson_without_overload(tmp_path: Path, strategy: str) -> None:
+    traces = generate_traces(48, keys=2, lessons=12, seed=3)
+    path = write_traces(tmp_path / "traces.jsonl", traces)
+    out = tmp_path / "out"
+    report, stats = anyio.run(
+        lambda: learn(SimSettings(seed=3), path, out, strategy=strategy, batch_size="12")
+    )
+    assert report.complete and report.failed_traces == 0 and report.learned == 48
+    updates = check_history(out, traces)
+    playbooks = load_playbooks(out)
+    for key in ("sim-k0", "sim-k1"):
+        bullets = {b.content for s in playbooks[key].sections for b in s.bullets}
+        assert bullets == lesson_lines(traces, key), "exactly the key's lessons, nothing else"
+    assert score(traces, playbooks).lessons_retained == 24
+    per_key_windows = {"sequential": 24, "naive": 2, "combee": 2}[strategy]
+    assert report.windows == len(updates) == 2 * per_key_windows
+    assert report.batch_size == (1 if strategy == "sequential" else 12)
+    assert report.per_role["reflector"].calls == 48
+    curator_calls = {"sequential": 48, "naive": 4, "combee": 4 * 3}[strategy]  # k = isqrt(12)
+    assert report.per_role["curator"].calls == curator_calls
+    assert stats["roles"]["curator"]["completed"] == curator_calls
+    assert report.max_curator_items == {"sequential": 1, "naive": 12, "combee": 8}[strategy]
+    assert report.llm_calls == 48 + curator_calls
+    assert report.tokens_in == sum(u.tokens_in for u in report.per_role.values()) > 0
+    text = (out / "playbook.md").read_text()
+    assert "## Key `sim-k0`" in text and "LESSON[k1-l000]" in text
+    saved = msgspec.json.decode((out / "report.json").read_bytes(), type=LearnReport)
+    assert saved.windows == report.windows and saved.strategy == strategy
+
+
+def test_combee_retains_clearly_more_lessons_than_naive_under_overload(tmp_path: Path) -> None:
+    traces = generate_traces(120, keys=1, lessons=120, seed=1)
+    path = write_traces(tmp_path / "traces.jsonl", traces)
+    retained: dict[str, int] = {}
+    largest: dict[str, int] = {}
+    for strategy in ("naive", "combee"):
+        out = tmp_path / strategy
+        report, _ = anyio.run(
+            lambda s=strategy, o=out: learn(  # type: ignore[misc]
+                SimSettings(seed=1, overload=12), path, o, strategy=s, batch_size="40"
+            )
+        )
+        check_history(out, traces)
+        retained[strategy] = score(traces, load_playbooks(out)).lessons_retained
+        largest[strategy] = report.max_curator_items
+    # Overload C=12: one call over 40 distinct lessons keeps floor(144/40) = 3 of them per window.
+    assert retained["naive"] == 9
+    assert retained["combee"] >= 3 * retained["naive"]
+    assert retained["combee"] >= 100
+    assert largest == {"naive": 40, "combee": 14}
+
+
+def test_llm_combine_and_auto_batch_size(tmp_path: Path) -> None:
+    traces = generate_traces(100, keys=1, lessons=50, seed=5)
+    path = write_traces(tmp_path / "traces.jsonl", traces)
+    out = tmp_path / "out"
+    report, stats = anyio.run(
+        lambda: learn(
+            SimSettings(seed=5),
+            path,
+            out,
+            env={"COMBEE__LEARNING__COMBINE": "llm"},
+            batch_size="auto",
+        )
+    )
+    check_history(out, traces)
+    assert isinstance(report.batch_size, list) and sum(report.batch_size) >= 100
+    assert report.batch_size[:3] == [5, 10, 20], "the controller explores its grid first"
+    assert report.windows == len(report.batch_size)
+    updates = read_history(out)
+    multi_group = sum(1 for u in updates if u.stats.window_traces >= 4)
+    assert report.per_role["combiner"].calls == multi_group
+    assert stats["roles"]["combiner"]["completed"] == multi_group
+    assert score(traces, load_playbooks(out)).lessons_retained == 50
+
+
+# --------------------------------------------------------------------------- faults, resume
+
+
+def test_faults_lose_no_trace_and_complete_no_request_twice(tmp_path: Path) -> None:
+    traces = generate_traces(80, keys=2, lessons=20, seed=7)
+    path = write_traces(tmp_path / "traces.jsonl", traces)
+    out = tmp_path / "out"
+    faults = FaultModel(
+        rate_429=0.05,
+        retry_after_s=0.05,
+        rate_500=0.05,
+        rate_timeout=0.02,
+        timeout_s=3.0,
+        rate_malformed=0.04,
+        rate_schema_violation=0.04,
+    )
+    report, stats = anyio.run(
+        lambda: learn(
+            SimSettings(seed=7, faults=faults),
+            path,
+            out,
+            env={"COMBEE__LLM__TIMEOUT_S": "1.0"},
+            batch_size="16",
+        )
+    )
+    assert sum(stats["faults"].values()) > 20, "the fault model must actually bite"
+    assert report.failed_traces == 0 and report.complete
+    check_history(out, traces)
+    assert max(stats["completed_by_request"].values()) == 1, "a finished call was paid twice"
+    assert score(traces, load_playbooks(out)).lessons_retained == 40
+
+
+def test_resume_after_kill_does_not_redo_finished_windows(tmp_path: Path) -> None:
+    traces = generate_traces(60, keys=1, lessons=60, seed=11)
+    path = write_traces(tmp_path / "traces.jsonl", traces)
+    out = tmp_path / "out"
+    settings = SimSettings(seed=11, latency=LatencyModel(base_s=0.15))
+    with sim_server_blocking(settings) as server:
+        env = {**os.environ, "OPENAI_BASE_URL": server.base_url}
+        args = ["--traces", str(path), "--out", str(out), "--batch-size", "6"]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "combee_stream", "learn", *args],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        # Kill once >= 2 windows are saved and the reflections of the next one are finished
+        # (6 reflector + 2 curator calls per window of 6): its curators are then in flight.
+        try:
+            while proc.poll() is None:
+                windows = len(complete_lines(out / "history.jsonl"))
+                memo = len(complete_lines(out / "memo.jsonl"))
+                if windows >= 2 and memo >= 8 * windows + 6:
+                    proc.send_signal(signal.SIGKILL)
+                    break
+                time.sleep(0.01)
+        finally:
+            proc.kill()
+            proc.wait()
+        before = read_history(out)
+        assert 2 <= len(before) < 10, "the run must be interrupted part-way"
+        first_run = server.stats()
+
+        os.environ["OPENAI_BASE_URL"] = server.base_url
+        try:
+            assert cli.main(["learn", *args, "--resume"]) == 0
+        finally:
+            del os.environ["OPENAI_BASE_URL"]
+        stats = server.stats()
+
+    updates = check_history(out, traces)
+    assert updates[: len(before)] == before, "finished windows are kept as they were"
+    report = msgspec.json.decode((out / "report.json").read_bytes(), type=LearnReport)
+    learned_before = sum(len(u.stats.trace_ids) for u in before)
+    assert report.already_learned == learned_before
+    assert report.windows == 10 - len(before)
+    assert report.per_role["reflector"].calls == 60 - learned_before
+    assert report.per_role["reflector"].cached_calls >= 6, "the killed window's reflections"
+    # Nothing finished was sent again: not the windows in history, not the calls of the window
+    # in flight at the kill (replayed from DIR/memo.jsonl).
+    assert max(stats["completed_by_request"].values()) == 1
+    sent_again = (
+        stats["roles"]["reflector"]["completed"] - first_run["roles"]["reflector"]["completed"]
+    )
+    assert (
+        sent_again == report.per_role["reflector"].calls - report.per_role["reflector"].cached_calls
+    )
+    assert score(traces, load_playbooks(out)).lessons_retained == 60
+
+
+def test_existing_run_needs_resume(tmp_path: Path) -> None:
+    traces = generate_traces(8, keys=1, lessons=8)
+    path = write_traces(tmp_path / "traces.jsonl", traces)
+    out = tmp_path / "out"
+    anyio.run(lambda: learn(SimSettings(), path, out, batch_size="4"))
+    config, env = sim_config("http://127.0.0.1:9/v1")  # refused before any call is made
+    with pytest.raises(UserError, match="--resume"):
+        anyio.run(lambda: run_learn(config, path, out, env=env, batch_size="4"))
+    report, stats = anyio.run(lambda: learn(SimSettings(), path, out, resume=True))
+    assert report.already_learned == 8 and report.windows == 0 and report.llm_calls == 0
+    assert stats["completed_by_request"] == {}
+
+
+# --------------------------------------------------------------------------- input, config
+
+
+def test_bad_lines_are_reported_with_numbers_and_skipped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    traces = generate_traces(10, keys=1, lessons=10, seed=2)
+    bad = (
+        b"{not json\n"
+        + b'{"key": "sim-k0", "trace_id": "x1", "task": "t", "feedback": {}}\n'
+        + encode(traces[0])
+        + b"\n\n"
+    )
+    path = write_traces(tmp_path / "traces.jsonl", traces, bad)
+    out = tmp_path / "out"
+    with sim_server_blocking(SimSettings()) as server:
+        os.environ["OPENAI_BASE_URL"] = server.base_url
+        try:
+            code = cli.main(
+                ["learn", "--traces", str(path), "--out", str(out), "--batch-size", "5"]
+            )
+        finally:
+            del os.environ["OPENAI_BASE_URL"]
+    captured = capsys.readouterr()
+    assert code == 0
+    assert f"{path}:11: malformed JSON" in captured.err
+    assert f"{path}:12: invalid Trace" in captured.err and "feedback" in captured.err
+    assert f"{path}:13: duplicate trace_id" in captured.err
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert summary["learned"] == 10 and summary["bad_lines"] == 2
+    assert summary["duplicate_traces"] == 1
+    report = json.loads((out / "report.json").read_text())
+    assert [b["line"] for b in report["bad"]] == [11, 12, 13]
+    check_history(out, traces)
+
+
+def test_missing_endpoint_says_what_to_set(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    path = write_traces(tmp_path / "t.jsonl", generate_traces(2, keys=1, lessons=2))
+    code = cli.main(["learn", "--traces", str(path), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "OPENAI_BASE_URL" in err and "OPENAI_API_KEY" in err and "base_url" in err
+    assert not (tmp_path / "out").exists(), "nothing is written without an endpoint"
+
+
+def test_token_budget_rejection_is_recorded_and_traces_still_learned_once(
+    tmp_path: Path,
+) -> None:
+    traces = generate_traces(12, keys=1, lessons=12, seed=4)
+    path = write_traces(tmp_path / "traces.jsonl", traces)
+    out = tmp_path / "out"
+    budget = 80  # an empty playbook renders to about 40 tokens; 6 lessons do not fit
+    report, _ = anyio.run(
+        lambda: learn(
+            SimSettings(seed=4),
+            path,
+            out,
+            env={"COMBEE__LEARNING__TOKEN_BUDGET": str(budget)},
+            batch_size="6",
+        )
+    )
+    updates = check_history(out, traces)
+    assert report.rejected_windows == 2
+    for update in updates:
+        assert update.stats.rejected is not None
+        reason = json.loads(update.stats.rejected)
+        assert reason["kind"] == "token_budget" and reason["budget"] == budget
+        assert reason["would_be"] > budget
+    assert all(not s.bullets for s in load_playbooks(out)["sim-k0"].sections)
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def test_packaged_prompts_carry_the_contract_blocks() -> None:
+    prompts = load_prompts()
+    assert prompts.version == "v1"
+    for template, tags in (
+        (prompts.reflector, ("playbook", "bullets_used", "trace")),
+        (prompts.curator, ("playbook", "reflections")),
+        (prompts.combiner, ("playbook", "partial_updates")),
+    ):
+        lines = template.user.splitlines()
+        for tag in tags:
+            assert f"<{tag}>" in lines and f"</{tag}>" in lines
+        assert template.system
+
+
+def test_prompts_dir_overrides_and_is_checked(tmp_path: Path) -> None:
+    (tmp_path / "curator.md").write_text(
+        "<!-- system -->\nYou are terse.\n<!-- user -->\nBudget {token_budget}; {progress}\n"
+        "{stats}\n<playbook>\n{playbook}\n</playbook>\n<reflections>\n{reflections}\n"
+        '</reflections>\nJSON like {"operations": []}, {unknown} stays.\n'
+    )
+    prompts = load_prompts(tmp_path)
+    assert prompts.curator.system == "You are terse."
+    assert prompts.reflector == load_prompts().reflector
+    filled = prompts.curator.fill(
+        {
+            "token_budget": "9",
+            "progress": "p",
+            "stats": "s",
+            "playbook": "PB {stats}",
+            "reflections": "R",
+        }
+    )
+    assert filled[1]["content"].startswith("Budget 9; p\ns\n<playbook>\nPB {stats}\n")
+    assert '{"operations": []}, {unknown} stays.' in filled[1]["content"]
+    (tmp_path / "reflector.md").write_text("{playbook} {trace} {bullets_used}\n<trace>\n")
+    with pytest.raises(UserError, match=r"reflector\.md.*<playbook>"):
+        load_prompts(tmp_path)
+
+
+def test_learner_uses_override_prompts_against_the_simulator(tmp_path: Path) -> None:
+    (tmp_path / "curator.md").write_text(
+        "Curate. {progress} {stats} {token_budget}\n<playbook>\n{playbook}\n</playbook>\n"
+        "<reflections>\n{reflections}\n</reflections>\n"
+    )
+    traces = generate_traces(9, keys=1, lessons=9, seed=8)
+
+    async def run() -> tuple[int, list[Source]]:
+        async with sim_server(SimSettings(seed=8)) as server:
+            config, env = sim_config(server.base_url, COMBEE__LEARNING__PROMPTS_DIR=str(tmp_path))
+            from combee_stream.core.llm import LLMClient
+
+            async with LLMClient(config.llm, env=env) as client:
+                learner = Learner(client, config.learning)
+                result = await learner.learn_window(
+                    new_playbook("sim-k0"), [(t, Source(t.trace_id)) for t in traces]
+                )
+        return len(retained_ids(result.playbook)), result.learned
+
+    retained, learned = anyio.run(run)
+    assert retained == 9 and len(learned) == 9
