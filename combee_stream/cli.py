@@ -27,6 +27,7 @@ _COMMAND_MODULES = (
     "combee_stream.learn",
     "combee_stream.engine.cli",
     "combee_stream.bench.cli",
+    "combee_stream.demo",
 )
 
 

@@ -8,16 +8,18 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from combee_stream.config import Config, KafkaConfig
 from combee_stream.errors import UserError
 from combee_stream.kafka import ingest as ing
+from combee_stream.kafka.client import partitions_of
 from combee_stream.kafka.commands import seed_prompt
 from combee_stream.kafka.producer import TraceProducer, make_producer, publish_update
 from combee_stream.kafka.subscriber import PromptSubscriber
@@ -121,6 +123,27 @@ async def consume_all(
         # Read a little longer: more than expected is a failure we must see.
         for batch in (await consumer.getmany(timeout_ms=500)).values():
             records.extend(batch)
+    finally:
+        await consumer.stop()
+    return records
+
+
+async def read_to_end(cfg: KafkaConfig, topic: str) -> list[Any]:
+    """Every record currently readable in ``topic`` (up to its end offsets at call time)."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=cfg.bootstrap_servers, group_id=None, enable_auto_commit=False
+    )
+    await consumer.start()
+    records: list[Any] = []
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(await partitions_of(consumer, topic))]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        end = await consumer.end_offsets(tps)
+        for tp in tps:
+            while await consumer.position(tp) < end[tp]:
+                for batch in (await consumer.getmany(tp, timeout_ms=500)).values():
+                    records.extend(batch)
     finally:
         await consumer.stop()
     return records
@@ -281,7 +304,7 @@ async def test_prompts_topic_is_really_compacted(config: Config, unique: str) ->
 
     deadline = time.monotonic() + 60
     while True:
-        records = await consume_all(cfg, cfg.prompts_topic, 0, wait_s=2)
+        records = await read_to_end(cfg, cfg.prompts_topic)
         keys = Counter(r.key.decode() for r in records)  # type: ignore[attr-defined]
         if all(keys[k] == 1 for k in ("a", "b", "c")):
             break

@@ -34,3 +34,14 @@ def client_kwargs(cfg: KafkaConfig, env: Mapping[str, str] | None = None) -> dic
             sasl_plain_password=password,
         )
     return kwargs
+
+
+async def partitions_of(consumer: Any, topic: str) -> set[int]:
+    """Partition ids of ``topic`` from fresh metadata (empty when it does not exist).
+
+    ``AIOKafkaConsumer.partitions_for_topic`` reads the consumer's cached metadata, which does
+    not know topics created after the consumer started, and ``topics()`` fetches fresh metadata
+    without updating that cache; so read the fresh cluster view directly.
+    """
+    cluster = await consumer._client.fetch_all_metadata()
+    return set(cluster.partitions_for_topic(topic) or ())

@@ -20,7 +20,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from combee_stream.config import KafkaConfig
 from combee_stream.errors import UserError
-from combee_stream.kafka.client import client_kwargs
+from combee_stream.kafka.client import client_kwargs, partitions_of
 from combee_stream.logs import get_logger
 from combee_stream.schemas import DecodeError, PromptUpdate, decode
 
@@ -73,8 +73,7 @@ class PromptSubscriber:
         await self._consumer.stop()
 
     async def _catch_up(self) -> None:
-        await self._consumer.topics()  # refresh metadata
-        partitions = self._consumer.partitions_for_topic(self._topic)
+        partitions = await partitions_of(self._consumer, self._topic)
         if not partitions:
             raise UserError(
                 f"prompts topic {self._topic!r} does not exist: run `combee-stream topics create`"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import anyio
 import msgspec
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
@@ -48,6 +49,20 @@ async def _partition_counts(admin: AIOKafkaAdminClient, names: list[str]) -> dic
         if topic["error_code"] == 0:
             counts[topic["topic"]] = len(topic["partitions"])
     return counts
+
+
+async def _wait_visible(
+    admin: AIOKafkaAdminClient, names: list[str], limit_s: float = 30.0
+) -> dict[str, int]:
+    """Partition counts once every topic is in the metadata (new topics take a moment)."""
+    with anyio.move_on_after(limit_s):
+        while True:
+            counts = await _partition_counts(admin, names)
+            if len(counts) == len(names):
+                return counts
+            await anyio.sleep(0.1)
+    missing = sorted(set(names) - set(counts))
+    raise UserError(f"topics {missing} did not appear in the cluster metadata within {limit_s} s")
 
 
 async def _cleanup_policy(admin: AIOKafkaAdminClient, name: str) -> str:
@@ -89,7 +104,7 @@ async def ensure_topics(cfg: KafkaConfig, env: Mapping[str, str] | None = None) 
                 else:
                     result[name] = "created"
                     log.info("topic created", topic=name)
-        counts = await _partition_counts(admin, [s.name for s in specs])
+        counts = await _wait_visible(admin, [s.name for s in specs])
         traces, prompts = counts.get(cfg.traces_topic), counts.get(cfg.prompts_topic)
         if traces != prompts:
             raise TopicMismatchError(
