@@ -421,3 +421,38 @@ def test_learner_uses_override_prompts_against_the_simulator(tmp_path: Path) -> 
 
     retained, learned = anyio.run(run)
     assert retained == 9 and len(learned) == 9
+
+
+def test_proposals_from_one_snapshot_commit_in_turn_with_rebase() -> None:
+    """The streaming path: two windows proposed on the same snapshot, the second committed onto
+    the version the first produced (rebased: its ADDs of lessons already present are dropped)."""
+    traces = generate_traces(24, keys=1, lessons=8, seed=9)  # every lesson three times
+
+    async def run() -> None:
+        async with sim_server(SimSettings(seed=9)) as server:
+            config, env = sim_config(server.base_url)
+            from combee_stream.core.llm import LLMClient
+
+            async with LLMClient(config.llm, env=env) as client:
+                learner = Learner(client, config.learning)
+                v0 = new_playbook("sim-k0")
+                pairs = [(t, Source(t.trace_id)) for t in traces]
+                first = await learner.propose(v0, pairs[:12])
+                second = await learner.propose(v0, pairs[12:])
+                one = await learner.commit(first, v0)
+                two = await learner.commit(second, one.playbook)
+                again = await learner.commit(first, v0)
+                assert again.playbook == one.playbook, "commit is deterministic"
+                later = await learner.propose(two.playbook, pairs[:2])
+                with pytest.raises(ValueError, match="older version"):
+                    await learner.commit(later, one.playbook)
+        assert (one.playbook.version, two.playbook.version) == (1, 2)
+        assert (one.stats.stale_by, two.stats.stale_by) == (0, 1)
+        contents = [b.content for s in two.playbook.sections for b in s.bullets]
+        assert len(contents) == len(set(contents)) == 8, "all 8 lessons, none twice"
+        assert len(retained_ids(two.playbook)) == 8
+        assert two.delta.base_version == 1 and len(two.learned) == 12
+        proposed_adds = len(second.delta.operations)
+        assert proposed_adds > len(two.applied.added), "rebase dropped lessons already present"
+
+    anyio.run(run)

@@ -14,6 +14,11 @@ One window:
 4. **Apply** the merged delta (tags, operations, provenance) with the token budget and the
    optional semantic dedup.
 
+``learn_window`` = ``propose`` (steps 1-3, all the LLM work, on a frozen snapshot) + ``commit``
+(step 4). A streaming caller can propose window w+1 while window w is still in flight and commit
+each proposal onto the newest version: ``commit`` rebases a delta computed on an older snapshot
+(drops operations on bullets that are gone and ADDs already present) before applying it.
+
 Decisions (Combee notes §8):
 
 - **Determinism.** Records are sorted by source before the shuffle and the RNG is seeded from
@@ -41,7 +46,7 @@ import msgspec
 from msgspec import Struct
 
 from combee_stream.config import LearningConfig
-from combee_stream.core.delta import empty, merge
+from combee_stream.core.delta import empty, merge, rebase
 from combee_stream.core.llm import ChatMessage, Completion, LLMCallError, Role
 from combee_stream.core.outputs import CuratorOutput, ReflectorOutput
 from combee_stream.core.playbook import (
@@ -115,7 +120,19 @@ class WindowStats(Struct):
     max_curator_items: int = 0
     max_combiner_items: int = 0
     rounds: int = 0  # sequential LLM rounds: map + level 1 + LLM combine levels
+    stale_by: int = 0  # versions between the snapshot and the playbook it was committed to
     delay_s: float = 0.0
+
+
+class Proposal(Struct):
+    """A window's merged delta (tags, operations, provenance) computed on one snapshot."""
+
+    key: str
+    snapshot_version: int
+    delta: Delta
+    failed: list[FailedTrace]
+    reflections: list[Reflection]
+    stats: WindowStats
 
 
 class WindowResult(Struct):
@@ -171,6 +188,18 @@ class Learner:
         *,
         progress: str = "",
     ) -> WindowResult:
+        """Propose on ``playbook`` and commit onto it: the offline, one-window-at-a-time path."""
+        return await self.commit(await self.propose(playbook, traces, progress=progress), playbook)
+
+    async def propose(
+        self,
+        playbook: Playbook,
+        traces: Sequence[tuple[Trace, Source]],
+        *,
+        progress: str = "",
+    ) -> Proposal:
+        """All the LLM work of a window (Map, tags, Shuffle, Reduce) on the frozen ``playbook``;
+        nothing is applied. Raises :class:`WindowError` if the tree cannot be reduced."""
         started = anyio.current_time()
         key = playbook.key
         for trace, _ in traces:
@@ -223,11 +252,9 @@ class Learner:
         done = [rec.reflection for rec in records]
         if not records:
             stats.delay_s = anyio.current_time() - started
-            unchanged = ApplyResult(
-                playbook=playbook, applied=False, tokens=playbook_tokens(playbook)
+            return Proposal(
+                key, snapshot.version, empty(key, snapshot.version), failed, done, stats
             )
-            nothing = empty(key, playbook.version)
-            return WindowResult(playbook, nothing, nothing, unchanged, failed, done, stats)
 
         # ---- Tags: applied once; the curators see the tagged snapshot.
         sources = [rec.reflection.source for rec in records]
@@ -272,29 +299,54 @@ class Learner:
         stats.max_curator_items = tree.max_curator_items
         stats.max_combiner_items = tree.max_combiner_items
         stats.rounds += 1 + tree.combine_rounds
+        stats.delay_s = anyio.current_time() - started
+        return Proposal(key, snapshot.version, merge(base, tree_delta), failed, done, stats)
 
-        # ---- Apply (budget, dedup), falling back to tags / provenance only.
-        proposed = merge(base, tree_delta)
-        result = await self._apply(snapshot, proposed)
-        applied_delta = proposed
+    async def commit(self, proposal: Proposal, onto: Playbook) -> WindowResult:
+        """Apply a proposal to ``onto`` — its own snapshot, or a newer version of the same key,
+        in which case the delta is first rebased (:func:`~combee_stream.core.delta.rebase`).
+        Budget rejection falls back to tags + provenance, then provenance only."""
+        started = anyio.current_time()
+        if onto.key != proposal.key:
+            raise ValueError(f"proposal for key {proposal.key!r} committed to {onto.key!r}")
+        if onto.version < proposal.snapshot_version:
+            raise ValueError(
+                f"proposal computed on version {proposal.snapshot_version} committed to the "
+                f"older version {onto.version}"
+            )
+        stats = msgspec.structs.replace(
+            proposal.stats, stale_by=onto.version - proposal.snapshot_version
+        )
+        delta = proposal.delta
+        if not delta.sources:  # every reflection failed: nothing learned, nothing to apply
+            unchanged = ApplyResult(playbook=onto, applied=False, tokens=playbook_tokens(onto))
+            return WindowResult(
+                onto, delta, delta, unchanged, proposal.failed, proposal.reflections, stats
+            )
+        if onto.version != delta.base_version:
+            delta = rebase(delta, onto)
+        result = await self._apply(onto, delta)
+        applied_delta = delta
         if not result.applied:
             for fallback in (
-                Delta(key=key, tags=tags, sources=sources, base_version=snapshot.version),
-                Delta(key=key, sources=sources, base_version=snapshot.version),
+                Delta(
+                    key=onto.key, tags=delta.tags, sources=delta.sources, base_version=onto.version
+                ),
+                Delta(key=onto.key, sources=delta.sources, base_version=onto.version),
             ):
-                attempt = apply(snapshot, fallback, token_budget=budget)
+                attempt = apply(onto, fallback, token_budget=self._config.token_budget)
                 if attempt.applied:
                     applied_delta = fallback
                     result = msgspec.structs.replace(attempt, rejected=result.rejected)
                     break
-        stats.delay_s = anyio.current_time() - started
+        stats.delay_s += anyio.current_time() - started
         return WindowResult(
             playbook=result.playbook,
             delta=applied_delta,
-            proposed=proposed,
+            proposed=proposal.delta,
             applied=result,
-            failed=failed,
-            reflections=done,
+            failed=proposal.failed,
+            reflections=proposal.reflections,
             stats=stats,
         )
 
@@ -326,4 +378,12 @@ class Learner:
         return completion.value
 
 
-__all__ = ["LLM", "FailedTrace", "Learner", "WindowError", "WindowResult", "WindowStats"]
+__all__ = [
+    "LLM",
+    "FailedTrace",
+    "Learner",
+    "Proposal",
+    "WindowError",
+    "WindowResult",
+    "WindowStats",
+]
