@@ -216,39 +216,65 @@ class Learner:
         snapshot = playbook
 
         # ---- Map: reflect every trace against the frozen snapshot.
-        reflections: list[Reflection | None] = [None] * len(traces)
-        failed: list[FailedTrace] = []
+        outcomes: list[ReflectionRecord | FailedTrace] = []
 
-        async def reflect(i: int, trace: Trace, source: Source) -> None:
-            messages = reflector_messages(self._prompts, snapshot, trace)
-            try:
-                out = await self._call("reflector", messages, ReflectorOutput, stats)
-            except LLMCallError as exc:
-                failed.append(FailedTrace(source=source, reason=str(exc)))
-                return
-            reflections[i] = Reflection(
-                key=key,
-                source=source,
-                error_identification=out.error_identification,
-                root_cause=out.root_cause_analysis,
-                correct_approach=out.correct_approach,
-                key_insight=out.key_insight,
-                bullet_tags=list(out.bullet_tags),
-            )
+        async def reflect(trace: Trace, source: Source) -> None:
+            outcomes.append(await self.reflect(snapshot, trace, source, stats))
 
         async with anyio.create_task_group() as tg:
-            for i, (trace, source) in enumerate(traces):
-                tg.start_soon(reflect, i, trace, source)
+            for trace, source in traces:
+                tg.start_soon(reflect, trace, source)
+        records = [o for o in outcomes if isinstance(o, ReflectionRecord)]
+        failed = [o for o in outcomes if isinstance(o, FailedTrace)]
         stats.rounds = 1 if traces else 0
-
-        tasks = {source: trace.task for trace, source in traces}
-        records = sorted(
-            (ReflectionRecord(reflection=r, task=tasks[r.source]) for r in reflections if r),
-            key=lambda rec: rec.reflection.source,
+        return await self.reduce(
+            snapshot, records, failed, stats, progress=progress, started=started
         )
+
+    async def reflect(
+        self, snapshot: Playbook, trace: Trace, source: Source, stats: WindowStats
+    ) -> ReflectionRecord | FailedTrace:
+        """Map, one trace: the reflector's diagnosis against ``snapshot``. The streaming engine
+        calls this the moment a trace arrives; a failure after the client's retries is returned
+        (never raised, never dropped)."""
+        messages = reflector_messages(self._prompts, snapshot, trace)
+        try:
+            out = await self._call("reflector", messages, ReflectorOutput, stats)
+        except LLMCallError as exc:
+            return FailedTrace(source=source, reason=str(exc))
+        reflection = Reflection(
+            key=snapshot.key,
+            source=source,
+            error_identification=out.error_identification,
+            root_cause=out.root_cause_analysis,
+            correct_approach=out.correct_approach,
+            key_insight=out.key_insight,
+            bullet_tags=list(out.bullet_tags),
+        )
+        return ReflectionRecord(reflection=reflection, task=trace.task)
+
+    def new_stats(self, traces: int = 0) -> WindowStats:
+        return WindowStats(strategy=self.spec.name, traces=traces)
+
+    async def reduce(
+        self,
+        snapshot: Playbook,
+        reflected: Sequence[ReflectionRecord],
+        failed: Sequence[FailedTrace],
+        stats: WindowStats,
+        *,
+        progress: str = "",
+        started: float | None = None,
+    ) -> Proposal:
+        """Tags, Shuffle and Reduce of a window's reflections on the frozen ``snapshot`` (the
+        reflections may come from older snapshots: tags of bullets that are gone are skipped
+        on apply). Raises :class:`WindowError` if the tree cannot be reduced."""
+        started = anyio.current_time() if started is None else started
+        key = snapshot.key
+        records = sorted(reflected, key=lambda rec: rec.reflection.source)
+        failed = sorted(failed, key=lambda f: f.source)
         stats.reflected = len(records)
         stats.failed = len(failed)
-        failed.sort(key=lambda f: f.source)
         done = [rec.reflection for rec in records]
         if not records:
             stats.delay_s = anyio.current_time() - started
