@@ -42,6 +42,8 @@ class KafkaConfig(_Section):
     dlq_topic: str = "combee.dlq"
     partitions: Positive = 3
     replication_factor: Positive = 1
+    # A crashed instance keeps its partitions until this expires (broker bounds apply).
+    session_timeout_ms: Annotated[int, Meta(ge=1000)] = 10_000
     # Extra per-topic configs for the prompts topic (always compacted). Fast compaction for
     # tests lives in configs/local.toml, not here.
     prompts_topic_configs: dict[str, str] = {}

@@ -42,9 +42,11 @@ def configure_logging(
     )
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    # aiokafka is chatty at INFO (every rebalance, every connection); keep it to warnings.
     root.setLevel(getattr(logging, level.upper()))
-    logging.getLogger("aiokafka").setLevel(max(logging.WARNING, root.level))
+    # aiokafka logs every rebalance and connection, the HTTP clients every LLM request, and
+    # uvicorn every served one: keep them to warnings.
+    for noisy in ("aiokafka", "httpx", "httpx2", "uvicorn"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
 
 
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:

@@ -1,0 +1,104 @@
+"""Prometheus metrics and health endpoints for one engine (its own registry: no global state)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+
+
+class EngineMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.traces_in = Counter(
+            "combee_traces_in", "Trace records read", ["partition"], registry=r
+        )
+        self.traces_skipped = Counter(
+            "combee_traces_skipped",
+            "Traces already learned (at or below the watermark)",
+            registry=r,
+        )
+        self.dlq = Counter("combee_dlq", "Records parked in the DLQ", ["stage"], registry=r)
+        self.windows = Counter("combee_windows", "Windows published", ["key"], registry=r)
+        self.window_failures = Counter(
+            "combee_window_failures", "Windows that failed and were retried", ["key"], registry=r
+        )
+        self.batch_size = Gauge("combee_batch_size", "Controller batch size", ["key"], registry=r)
+        self.playbook_bullets = Gauge(
+            "combee_playbook_bullets", "Bullets in the newest playbook", ["key"], registry=r
+        )
+        self.playbook_tokens = Gauge(
+            "combee_playbook_tokens", "Tokens in the newest playbook", ["key"], registry=r
+        )
+        self.prompt_version = Gauge(
+            "combee_prompt_version", "Newest published version", ["key"], registry=r
+        )
+        self.trace_to_publish = Histogram(
+            "combee_trace_to_publish_seconds",
+            "From reading a trace to publishing the version that learned it",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.publish_lag = Histogram(
+            "combee_window_seconds",
+            "From a window closing to its version being published",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.consumer_lag = Gauge(
+            "combee_consumer_lag",
+            "High watermark minus committed offset",
+            ["partition"],
+            registry=r,
+        )
+        self.buffered = Gauge("combee_buffered_traces", "Traces read, not yet done", registry=r)
+        self.llm_calls = Gauge("combee_llm_calls", "LLM calls", ["role"], registry=r)
+        self.llm_tokens = Gauge(
+            "combee_llm_tokens", "LLM tokens", ["role", "direction"], registry=r
+        )
+        self.llm_cost = Gauge("combee_llm_cost_usd", "LLM cost", ["role"], registry=r)
+        self.llm_latency = Gauge(
+            "combee_llm_latency_seconds_total", "Summed LLM call time", ["role"], registry=r
+        )
+        self.live = True
+        self.ready = False
+
+    def asgi_app(self) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+        """``/metrics``, ``/healthz`` (the process runs) and ``/readyz`` (assigned and restored)."""
+        metrics_app = make_asgi_app(self.registry)
+
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http":
+                return
+            path = scope.get("path", "")
+            if path == "/metrics":
+                await metrics_app(scope, receive, send)
+                return
+            if path == "/healthz":
+                ok = self.live
+            elif path == "/readyz":
+                ok = self.ready
+            else:
+                await _plain(send, 404, b"not found\n")
+                return
+            await _plain(send, 200 if ok else 503, b"ok\n" if ok else b"not ready\n")
+
+        return app
+
+
+async def _plain(send: Send, status: int, body: bytes) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(body))],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,220 @@
+"""Helpers for engine tests: configs pointed at the test broker and the simulated LLM, and an
+audit of the prompts topic that proves (or disproves) exactly-once learning."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from combee_stream.config import Config, RoleConfig
+from combee_stream.kafka.client import partitions_of
+from combee_stream.kafka.producer import TraceProducer
+from combee_stream.schemas import PromptUpdate, Trace, decode
+from combee_stream.sim.markers import retained_ids
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def engine_config(
+    config: Config,
+    unique: str,
+    llm_url: str,
+    *,
+    partitions: int = 3,
+    batch_size: int | str = 10,
+    guarantee: str = "at_least_once_watermark",
+    max_wait_s: float = 0.5,
+) -> Config:
+    kafka = msgspec.structs.replace(
+        config.kafka,
+        traces_topic=f"e.traces.{unique}",
+        prompts_topic=f"e.prompts.{unique}",
+        dlq_topic=f"e.dlq.{unique}",
+        group_id=f"e.group.{unique}",
+        partitions=partitions,
+    )
+    role = RoleConfig(base_url=llm_url, model="sim")
+    llm = msgspec.structs.replace(
+        config.llm, reflector=role, curator=role, combiner=role, max_attempts=6, timeout_s=5.0
+    )
+    learning = msgspec.structs.replace(
+        config.learning,
+        batch_size=batch_size,  # type: ignore[arg-type]
+        min_batch_size=2,
+        max_batch_size=40,
+    )
+    engine = msgspec.structs.replace(
+        config.engine,
+        processing_guarantee=guarantee,  # type: ignore[arg-type]
+        max_wait_s=max_wait_s,
+        metrics_port=0,
+        shutdown_grace_s=20.0,
+    )
+    return msgspec.structs.replace(config, kafka=kafka, llm=llm, learning=learning, engine=engine)
+
+
+def env_for(cfg: Config) -> dict[str, str]:
+    """COMBEE__* overrides that make ``combee-stream run`` (a subprocess) use ``cfg``."""
+    k, r, e, lrn = cfg.kafka, cfg.llm.curator, cfg.engine, cfg.learning
+    env = {
+        "COMBEE__KAFKA__BOOTSTRAP_SERVERS": k.bootstrap_servers,
+        "COMBEE__KAFKA__TRACES_TOPIC": k.traces_topic,
+        "COMBEE__KAFKA__PROMPTS_TOPIC": k.prompts_topic,
+        "COMBEE__KAFKA__DLQ_TOPIC": k.dlq_topic,
+        "COMBEE__KAFKA__GROUP_ID": k.group_id,
+        "COMBEE__KAFKA__PARTITIONS": str(k.partitions),
+        "COMBEE__KAFKA__SESSION_TIMEOUT_MS": str(k.session_timeout_ms),
+        "COMBEE__LLM__MAX_ATTEMPTS": str(cfg.llm.max_attempts),
+        "COMBEE__LLM__TIMEOUT_S": str(cfg.llm.timeout_s),
+        "COMBEE__ENGINE__PROCESSING_GUARANTEE": f'"{e.processing_guarantee}"',
+        "COMBEE__ENGINE__MAX_WAIT_S": str(e.max_wait_s),
+        "COMBEE__ENGINE__METRICS_PORT": "0",
+        "COMBEE__ENGINE__SHUTDOWN_GRACE_S": str(e.shutdown_grace_s),
+        "COMBEE__LEARNING__BATCH_SIZE": str(lrn.batch_size)
+        if isinstance(lrn.batch_size, int)
+        else '"auto"',
+        "COMBEE__LEARNING__MIN_BATCH_SIZE": str(lrn.min_batch_size),
+        "COMBEE__LEARNING__MAX_BATCH_SIZE": str(lrn.max_batch_size),
+    }
+    for role in ("REFLECTOR", "CURATOR", "COMBINER"):
+        env[f"COMBEE__LLM__{role}__BASE_URL"] = r.base_url
+        env[f"COMBEE__LLM__{role}__MODEL"] = r.model
+    return env
+
+
+def spawn_engine(cfg: Config, log_path: Path) -> subprocess.Popen[bytes]:
+    """``combee-stream run`` as a real process (so it can be SIGKILLed)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMBEE__")}
+    env.update(env_for(cfg))
+    env["PYTHONUNBUFFERED"] = "1"
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "combee_stream", "--log-level", "info", "run"],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def kill(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+    proc.wait(timeout=60)
+
+
+async def produce(cfg: Config, traces: list[Trace]) -> dict[str, tuple[int, int]]:
+    """Send traces; returns trace_id -> (partition, offset)."""
+    where: dict[str, tuple[int, int]] = {}
+    async with TraceProducer(cfg.kafka) as producer:
+        for trace in traces:
+            where[trace.trace_id] = await producer.send(trace)
+    return where
+
+
+async def read_updates(cfg: Config) -> list[PromptUpdate]:
+    """Every committed PromptUpdate on the prompts topic, in topic order per partition."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=cfg.kafka.bootstrap_servers,
+        group_id=None,
+        enable_auto_commit=False,
+        isolation_level="read_committed",
+    )
+    await consumer.start()
+    updates: list[PromptUpdate] = []
+    try:
+        topic = cfg.kafka.prompts_topic
+        tps = [TopicPartition(topic, p) for p in sorted(await partitions_of(consumer, topic))]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        end = await consumer.end_offsets(tps)
+        for tp in tps:
+            while await consumer.position(tp) < end[tp]:
+                for records in (await consumer.getmany(tp, timeout_ms=500)).values():
+                    updates.extend(decode(r.value, PromptUpdate) for r in records)
+    finally:
+        await consumer.stop()
+    return updates
+
+
+async def read_dlq(cfg: Config) -> list[Any]:
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=cfg.kafka.bootstrap_servers, group_id=None, enable_auto_commit=False
+    )
+    await consumer.start()
+    records: list[Any] = []
+    try:
+        topic = cfg.kafka.dlq_topic
+        tps = [TopicPartition(topic, p) for p in sorted(await partitions_of(consumer, topic))]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        end = await consumer.end_offsets(tps)
+        for tp in tps:
+            while await consumer.position(tp) < end[tp]:
+                for batch in (await consumer.getmany(tp, timeout_ms=500)).values():
+                    records.extend(batch)
+    finally:
+        await consumer.stop()
+    return records
+
+
+class Audit(msgspec.Struct):
+    """What the prompts topic proves about one run."""
+
+    learned: Counter[str]  # trace_id -> how many versions (on the winning chain) learned it
+    chains_ok: bool  # per key: versions 1..n, each parent = previous
+    problems: list[str]
+    final: dict[str, PromptUpdate]
+
+
+def audit(updates: list[PromptUpdate]) -> Audit:
+    by_key: dict[str, list[PromptUpdate]] = defaultdict(list)
+    for u in updates:
+        by_key[u.key].append(u)
+    learned: Counter[str] = Counter()
+    problems: list[str] = []
+    final: dict[str, PromptUpdate] = {}
+    for key, versions in by_key.items():
+        versions.sort(key=lambda u: u.version)
+        numbers = [u.version for u in versions]
+        if numbers != list(range(1, len(versions) + 1)):
+            problems.append(f"{key}: versions {numbers} are not 1..n without gaps or repeats")
+        for prev, cur in itertools.pairwise(versions):
+            if cur.parent_version != prev.version:
+                problems.append(f"{key}: v{cur.version} has parent {cur.parent_version}")
+            if cur.stats.traces_learned != prev.stats.traces_learned + cur.stats.window_traces:
+                problems.append(f"{key}: v{cur.version} traces_learned does not add up")
+        for u in versions:
+            learned.update(u.stats.trace_ids)
+        final[key] = versions[-1]
+    return Audit(learned, not problems, problems, final)
+
+
+def lessons_of(playbook: Any) -> set[str]:
+    return retained_ids(playbook)
+
+
+async def wait_until_learned(
+    cfg: Config, expected: dict[str, int], limit_s: float = 180.0
+) -> list[PromptUpdate]:
+    """Poll the prompts topic until every key's newest version has learned ``expected[key]``."""
+    with anyio.fail_after(limit_s):
+        while True:
+            updates = await read_updates(cfg)
+            newest: dict[str, int] = {}
+            for u in updates:
+                newest[u.key] = max(newest.get(u.key, 0), u.stats.traces_learned)
+            if all(newest.get(k, 0) >= n for k, n in expected.items()):
+                return updates
+            await anyio.sleep(0.5)
