@@ -124,6 +124,9 @@ class EngineConfig(_Section):
     )
     max_wait_s: PositiveFloat = 5.0  # a window closes at the batch size or after this long
     max_windows_in_flight: Positive = 2  # per key
+    # True: reflect each trace on arrival and overlap windows. False: the paper's synchronous
+    # loop (reflect at window close, one window at a time), kept as a benchmark baseline.
+    pipelined: bool = True
     queue_size: Positive = 1000
     max_trace_attempts: Positive = 3  # LLM failures before a trace is parked in the DLQ
     shutdown_grace_s: PositiveFloat = 30.0

@@ -98,7 +98,7 @@ class KeyWorker:
         self._sink = sink
         self._inbox = inbox
         self._cfg = engine
-        self._in_flight = anyio.Semaphore(engine.max_windows_in_flight)
+        self._in_flight = anyio.Semaphore(engine.max_windows_in_flight if engine.pipelined else 1)
         self._previous_published = anyio.Event()
         self._previous_published.set()
         self._windows = 0
@@ -131,14 +131,19 @@ class KeyWorker:
                     window.stats = self._learner.new_stats()
                 window.items.append(item)
                 window.stats.traces += 1
-                window.outstanding += 1
-                tg.start_soon(self._reflect, window, item)
+                if self._cfg.pipelined:
+                    window.outstanding += 1
+                    tg.start_soon(self._reflect, window, item)
             size = self.state.controller.backlog(self._pending(window))
             full = window is not None and len(window.items) >= size
             expired = window is not None and anyio.current_time() >= deadline
             if window is not None and (full or expired or closing):
-                window.close()
                 await self._in_flight.acquire()
+                if not self._cfg.pipelined:  # synchronous: the Map starts at close
+                    window.outstanding = len(window.items)
+                    for queued in window.items:
+                        tg.start_soon(self._reflect, window, queued)
+                window.close()
                 published = anyio.Event()
                 tg.start_soon(self._finish, window, self._previous_published, published)
                 self._previous_published = published
