@@ -99,6 +99,7 @@ class LLMConfig(_Section):
     timeout_s: PositiveFloat = 60.0
     max_attempts: Positive = 4  # per call, covering transport errors and invalid replies
     memo_path: str = ""  # completion memo file; empty = in memory only
+    memo_max_entries: Annotated[int, Meta(ge=0)] = 50_000  # in memory; 0 = unbounded
 
 
 class LearningConfig(_Section):

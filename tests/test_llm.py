@@ -28,7 +28,7 @@ from combee_stream.core.llm import (
     Role,
     extract_json,
 )
-from combee_stream.core.memo import CompletionMemo
+from combee_stream.core.memo import CompletionMemo, MemoEntry
 from combee_stream.core.outputs import CuratorOutput, ReflectorOutput
 from combee_stream.errors import UserError
 from combee_stream.schemas import AddOp
@@ -505,3 +505,21 @@ async def test_rate_limits_on_still_complete_every_call(clean_sim: SimServer) ->
         usage = llm.usage()["reflector"]
     assert (usage.calls, usage.failed_calls) == (20, 0)
     assert role_stats(clean_sim, "reflector")["completed"] == 20
+
+
+def test_memo_keeps_only_the_newest_entries_when_bounded() -> None:
+    memo = CompletionMemo(max_entries=3)
+    for i in range(5):
+        memo.put(
+            MemoEntry(
+                key=f"k{i}",
+                role="curator",
+                model="m",
+                value=msgspec.Raw(b"{}"),
+                tokens_in=1,
+                tokens_out=1,
+            )
+        )
+    assert len(memo) == 3
+    assert "k0" not in memo and "k1" not in memo
+    assert all(f"k{i}" in memo for i in (2, 3, 4))

@@ -301,7 +301,11 @@ class LLMClient:
         self._env: Mapping[str, str] = os.environ if env is None else env
         self._http_client = http_client
         self._owns_memo = memo is None
-        self._memo = memo if memo is not None else CompletionMemo(config.memo_path or None)
+        self._memo = (
+            memo
+            if memo is not None
+            else CompletionMemo(config.memo_path or None, max_entries=config.memo_max_entries)
+        )
         self._retry = retry or RetryPolicy()
         self._rng = rng or random.Random()
         self._limiter = anyio.CapacityLimiter(config.concurrency)

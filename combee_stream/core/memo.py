@@ -49,7 +49,10 @@ _encoder = msgspec.json.Encoder()
 class CompletionMemo:
     """In-memory completion memo, optionally backed by an append-only JSONL file."""
 
-    def __init__(self, path: str | Path | None = None) -> None:
+    def __init__(self, path: str | Path | None = None, *, max_entries: int = 0) -> None:
+        # A long-running engine makes calls forever: keep only the newest ``max_entries`` in
+        # memory (0 = all). Retried windows are recent, so they still hit.
+        self._max = max_entries
         self._entries: dict[str, MemoEntry] = {}
         self._inflight: dict[str, anyio.Event] = {}
         self._path = Path(path) if path else None
@@ -76,6 +79,8 @@ class CompletionMemo:
         if entry.key in self._entries:
             return
         self._entries[entry.key] = entry
+        if self._max and len(self._entries) > self._max:
+            del self._entries[next(iter(self._entries))]  # the oldest (insertion order)
         if self._file is not None:
             # One write of one complete line, flushed at once: a crash loses at most this line,
             # which _load drops. A few KB to the page cache does not need a worker thread.
