@@ -1,0 +1,150 @@
+"""One measurement of ``bench overhead`` in a process of its own, so that its peak RSS and CPU
+time are its own: ``python -m combee_stream.bench.worker '<WorkerJob JSON>'`` prints one
+``WorkerResult`` JSON line.
+
+- ``bare``: an aiokafka consumer that reads the topic from the start and decodes every record
+  into a Trace: the floor any Kafka consumer in Python pays.
+- ``engine``: the full engine (windows, reflect, shuffle + tree, publish, commit) with the
+  simulator in process at zero latency, so only the engine's own work is measured.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from typing import Literal
+
+import anyio
+import msgspec
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from combee_stream.bench.harness import metric_total
+from combee_stream.config import Config, RoleConfig
+from combee_stream.core.llm import LLMClient
+from combee_stream.engine.runner import Engine
+from combee_stream.kafka.client import client_kwargs, partitions_of
+from combee_stream.logs import configure_logging
+from combee_stream.schemas import Trace, decode
+from combee_stream.sim import IN_PROCESS_BASE_URL, SimSettings, sim_app, sim_http_client
+
+
+class WorkerJob(msgspec.Struct, kw_only=True):
+    reader: Literal["bare", "engine"]
+    config: Config
+    count: int
+    limit_s: float = 1800.0
+
+
+class WorkerResult(msgspec.Struct, kw_only=True):
+    reader: str
+    count: int
+    wall_s: float  # first record read -> last one decoded / learned and published
+    traces_per_s: float
+    cpu_s: float  # process CPU (user + system) over the same span
+    baseline_rss_mb: float  # peak RSS before reading (interpreter, imports, clients)
+    peak_rss_mb: float
+    memo_entries: int = 0  # completions the engine's LLM client keeps in memory
+    sim_requests_tracked: int = 0  # request hashes the in-process simulator keeps
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def bare(job: WorkerJob) -> WorkerResult:
+    kafka = job.config.kafka
+    consumer = AIOKafkaConsumer(
+        **client_kwargs(kafka), group_id=None, enable_auto_commit=False, max_poll_records=500
+    )
+    await consumer.start()
+    try:
+        topic = kafka.traces_topic
+        tps = [TopicPartition(topic, p) for p in sorted(await partitions_of(consumer, topic))]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        baseline = _peak_rss_mb()
+        seen = 0
+        started = cpu = 0.0
+        with anyio.fail_after(job.limit_s):
+            while seen < job.count:
+                batches = await consumer.getmany(timeout_ms=200)
+                for records in batches.values():
+                    if not started:
+                        started, cpu = anyio.current_time(), _cpu()
+                    for record in records:
+                        decode(record.value, Trace)
+                        seen += 1
+        wall = anyio.current_time() - started
+        return WorkerResult(
+            reader="bare",
+            count=seen,
+            wall_s=wall,
+            traces_per_s=seen / wall,
+            cpu_s=_cpu() - cpu,
+            baseline_rss_mb=baseline,
+            peak_rss_mb=_peak_rss_mb(),
+        )
+    finally:
+        await consumer.stop()
+
+
+async def engine(job: WorkerJob) -> WorkerResult:
+    config = job.config
+    app = sim_app(SimSettings(seed=config.learning.seed))
+    role = RoleConfig(base_url=IN_PROCESS_BASE_URL, model="sim-llm")
+    llm_config = msgspec.structs.replace(
+        config.llm, reflector=role, curator=role, combiner=role, memo_path=""
+    )
+    async with sim_http_client(app) as http:
+        client = LLMClient(llm_config, http_client=http, env={})
+        runner = Engine(config, llm=client)
+        try:
+            baseline = _peak_rss_mb()
+            started = cpu = 0.0
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(runner.run)
+                await runner.started.wait()
+                with anyio.fail_after(job.limit_s):
+                    while metric_total(runner.metrics.trace_to_publish, "_count") < job.count:
+                        if not started and metric_total(runner.metrics.traces_in, "_total"):
+                            started, cpu = anyio.current_time(), _cpu()
+                        await anyio.sleep(0.02)
+                wall = anyio.current_time() - started
+                cpu = _cpu() - cpu
+                runner.stop()
+            tracked = len(app.stats()["completed_by_request"])
+            return WorkerResult(
+                reader="engine",
+                count=job.count,
+                wall_s=wall,
+                traces_per_s=job.count / wall,
+                cpu_s=cpu,
+                baseline_rss_mb=baseline,
+                peak_rss_mb=_peak_rss_mb(),
+                memo_entries=len(client.memo),
+                sim_requests_tracked=tracked,
+            )
+        finally:
+            await client.aclose()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    job = msgspec.json.decode(args[0], type=WorkerJob)
+    configure_logging("warning", "json")
+    run = bare if job.reader == "bare" else engine
+    started = time.monotonic()
+    result = anyio.run(run, job)
+    sys.stdout.write(msgspec.json.encode(result).decode() + "\n")
+    sys.stderr.write(f"worker {job.reader} done in {time.monotonic() - started:.1f}s\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,162 @@
+"""Benchmarks in their quickest form: they run, their JSON has the documented shape, and their
+numbers are consistent with the strategies' definitions. No assertion on any time or speed."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from combee_stream.bench.latency import latency_settings, run_latency
+from combee_stream.bench.overhead import overhead_settings, run_overhead
+from combee_stream.bench.saturation import bound, run_saturation, saturation_settings
+from combee_stream.bench.scaling import expected_calls, expected_max_items, max_items_bound
+from combee_stream.bench.vclock import VirtualClockLoop
+from combee_stream.cli import main
+from combee_stream.config import Config
+
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+LATENCY_KEYS = {"base_s", "per_input_token_s", "per_output_token_s", "jitter"}
+
+
+def _windows(row: dict[str, Any], n: int) -> list[int]:
+    if row["batch_size"] == "auto":
+        return list(row["window_sizes"])
+    size = 1 if row["strategy"] == "sequential" else row["batch_size"]
+    return [size] * (n // size) + ([n % size] if n % size else [])
+
+
+def test_virtual_clock_accounts_sleeps_without_waiting() -> None:
+    async def sleepy() -> tuple[float, float]:
+        start = anyio.current_time()
+        async with anyio.create_task_group() as tg:
+            for delay in (30.0, 100.0, 70.0):
+                tg.start_soon(anyio.sleep, delay)
+        loop = asyncio.get_running_loop()
+        assert isinstance(loop, VirtualClockLoop)
+        return anyio.current_time() - start, loop.skipped_s
+
+    elapsed, skipped = anyio.run(sleepy, backend_options={"loop_factory": VirtualClockLoop})
+    assert elapsed >= 100.0  # the longest sleep, on the virtual clock
+    assert 99.0 <= skipped <= elapsed  # and it was skipped, not slept
+
+
+def test_scaling_quick_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "scaling", "--quick", "--json"]
+    if HAS_MATPLOTLIB:
+        argv += ["--out", str(tmp_path)]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+
+    assert report["suite"] == "scaling" and report["simulated"] is True
+    assert LATENCY_KEYS <= set(report["latency_model"])
+    settings = report["settings"]
+    n, p = settings["traces"], settings["duplication"]
+    assert n == 120
+    rows = report["results"]
+    expected = {("sequential", 1, 0), ("combee", "auto", 0)}
+    expected |= {(s, b, 0) for s in ("naive", "combee") for b in (5, 10, 20, 40, 80)}
+    expected.add(("combee", 40, settings["extra_fan_in"]))
+    assert {(r["strategy"], r["batch_size"], r["fan_in"]) for r in rows} == expected
+
+    for row in rows:
+        windows = _windows(row, n)
+        assert sum(windows) == n, row
+        assert row["windows"] == len(windows)
+        strategy, fan_in = row["strategy"], row["fan_in"]
+        assert row["llm_calls"] == expected_calls(strategy, windows, p, fan_in), row
+        assert row["max_curator_items"] == expected_max_items(strategy, windows, p, fan_in), row
+        assert row["rounds"] == 2 * len(windows)  # Map + level-1 curators, union combine
+        assert 0.0 <= row["lessons_retained"] <= 1.0
+        assert row["lessons_total"] == settings["lessons"]
+        assert row["tokens_in"] > 0 and row["tokens_out"] > 0
+        assert row["wall_s"] > 0
+
+    combee40 = next(
+        r for r in rows if (r["strategy"], r["batch_size"], r["fan_in"]) == ("combee", 40, 0)
+    )
+    assert combee40["max_curator_items"] <= max_items_bound(40, p)  # the issue's bound at 40
+    seq = rows[0]
+    assert seq["strategy"] == "sequential" and seq["speedup_vs_sequential"] == 1.0
+    assert seq["lessons_retained"] == 1.0  # one reflection per curator call: never overloaded
+    naive80 = next(r for r in rows if (r["strategy"], r["batch_size"]) == ("naive", 80))
+    assert naive80["lessons_retained"] < 1.0  # 80 reflections overload the curator (C = 16)
+    assert {t["name"] for t in report["targets"]} and all(
+        isinstance(t["met"], bool) for t in report["targets"]
+    )
+    if HAS_MATPLOTLIB:
+        for name in ("scaling_speedup", "scaling_retention", "scaling_quality_delay"):
+            assert (tmp_path / f"{name}.png").read_bytes().startswith(b"\x89PNG")
+        markdown = (tmp_path / "scaling.md").read_text()
+        assert "Simulated LLM" in markdown and "Latency model:" in markdown
+        assert json.loads((tmp_path / "scaling.json").read_text()) == report
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_saturation_quick(config: Config) -> None:
+    settings = saturation_settings(quick=True)
+    report = await run_saturation(config, settings)
+    assert report.suite == "saturation" and report.simulated
+    assert [m.base_s for m in report.latency_model] == settings.latencies_s
+    assert [(r.latency_s, r.concurrency) for r in report.results] == [
+        (latency, c) for latency in settings.latencies_s for c in settings.concurrencies
+    ]
+    for r in report.results:
+        assert r.traces == settings.traces_per_slot * r.concurrency
+        windows_at_least = math.ceil(r.traces / settings.batch_size)
+        # one reflector call per trace, at least one curator call per window, and at most
+        # floor(sqrt(b)) per window of b
+        assert r.traces + windows_at_least <= r.llm_calls
+        assert r.llm_calls <= r.traces * 2
+        assert r.calls_per_trace == pytest.approx(r.llm_calls / r.traces)
+        assert r.bound_traces_per_s == pytest.approx(
+            bound(r.concurrency, r.latency_s, r.calls_per_trace)
+        )
+        assert r.saturation_ratio == pytest.approx(r.achieved_traces_per_s / r.bound_traces_per_s)
+        assert r.achieved_traces_per_s > 0 and r.time_scale <= settings.time_scale
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_latency_quick(config: Config) -> None:
+    settings = latency_settings(quick=True)
+    report = await run_latency(config, settings)
+    assert report.suite == "latency" and report.simulated
+    assert {(r.rate_per_s, r.mode) for r in report.results} == {
+        (rate, mode) for rate in settings.rates_per_s for mode in ("synchronous", "pipelined")
+    }
+    for r in report.results:
+        assert r.traces == round(r.rate_per_s * settings.duration_s)
+        assert 0 < r.p50_s <= r.p95_s <= r.p99_s
+        assert r.versions * r.traces_per_version == pytest.approx(r.traces)  # each learned once
+        assert r.traces_per_version <= settings.batch_size
+    for ratio in report.ratios:
+        rows = {r.mode: r for r in report.results if r.rate_per_s == ratio.rate_per_s}
+        assert ratio.p50 == pytest.approx(rows["synchronous"].p50_s / rows["pipelined"].p50_s)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_overhead_quick(config: Config) -> None:
+    settings = overhead_settings(quick=True)
+    report = await run_overhead(config, settings)
+    assert report.suite == "overhead" and report.simulated
+    assert report.latency_model.base_s == 0
+    assert {(r.backlog, r.reader) for r in report.results} == {
+        (b, reader) for b in settings.backlogs for reader in ("bare consumer", "engine")
+    }
+    for r in report.results:
+        assert r.traces_per_s > 0 and r.cpu_ms_per_trace > 0
+        assert r.peak_rss_mb >= r.baseline_rss_mb > 0
+    for backlog in settings.backlogs:
+        rows = {r.reader: r for r in report.results if r.backlog == backlog}
+        assert report.engine_vs_bare[str(backlog)] == pytest.approx(
+            rows["engine"].traces_per_s / rows["bare consumer"].traces_per_s
+        )
