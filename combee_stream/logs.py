@@ -27,10 +27,10 @@ def configure_logging(
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=_stderr_logger,
         cache_logger_on_first_use=False,
     )
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             processors=[
@@ -47,6 +47,27 @@ def configure_logging(
     # uvicorn every served one: keep them to warnings.
     for noisy in ("aiokafka", "httpx", "httpx2", "uvicorn"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+
+
+def _stderr_logger(*args: Any) -> structlog.PrintLogger:
+    # Resolve sys.stderr when logging, not when configuring: test runners and embedding
+    # applications swap it, and a logger holding the old one writes to a closed file.
+    return structlog.PrintLogger(file=sys.stderr)
+
+
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A StreamHandler that always writes to the current ``sys.stderr``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
 
 
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:

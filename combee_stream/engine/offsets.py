@@ -15,15 +15,15 @@ import heapq
 class PartitionOffsets:
     """Pending offsets of one partition, with O(log n) completion in any order."""
 
-    def __init__(self, start: int) -> None:
-        self._next = start  # one past the highest offset read
+    def __init__(self, start: int | None = None) -> None:
+        self._next = start  # one past the highest offset read; None before the first read
         self._pending: set[int] = set()
         self._heap: list[int] = []
 
     def read(self, offset: int) -> None:
         self._pending.add(offset)
         heapq.heappush(self._heap, offset)
-        self._next = max(self._next, offset + 1)
+        self._next = offset + 1 if self._next is None else max(self._next, offset + 1)
 
     def done(self, offset: int) -> None:
         self._pending.discard(offset)
@@ -32,8 +32,8 @@ class PartitionOffsets:
     def pending(self) -> int:
         return len(self._pending)
 
-    def committable(self) -> int:
-        """The offset to commit: every offset below it is done."""
+    def committable(self) -> int | None:
+        """The offset to commit (every offset below it is done); None before the first read."""
         while self._heap and self._heap[0] not in self._pending:
             heapq.heappop(self._heap)
         return self._heap[0] if self._heap else self._next

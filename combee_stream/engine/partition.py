@@ -37,14 +37,14 @@ class PartitionState:
     """An owned partition. ``generation`` changes on every assignment, so work started under
     an older ownership can tell it must not publish."""
 
-    def __init__(self, partition: int, generation: int, start_offset: int) -> None:
+    def __init__(self, partition: int, generation: int) -> None:
         self.partition = partition
         self.generation = generation
-        self.offsets = PartitionOffsets(start_offset)
+        self.offsets = PartitionOffsets()
         self.owned = True
         self.restored = anyio.Event()
         self.restored_updates: dict[str, PromptUpdate] = {}
         # Held while publishing and while revoking: a revoked partition never publishes again.
         self.lock = anyio.Lock()
-        self.committed = start_offset
+        self.committed = -1  # the last offset this owner committed
         self.workers: list[anyio.CancelScope] = []  # cancelled on revoke

@@ -196,8 +196,7 @@ class Engine:
         self._consumer.pause(*tps)
         for p in partitions:
             self._generation += 1
-            position = await self._consumer.position(TopicPartition(topic, p))
-            self._partitions[p] = PartitionState(p, self._generation, position)
+            self._partitions[p] = PartitionState(p, self._generation)
             self._restore_send.send_nowait(p)
         log.info("partitions assigned", partitions=sorted(partitions))
 
@@ -447,6 +446,7 @@ class Engine:
         for source in learned:
             part.offsets.done(source.offset)
         commit_at = part.offsets.committable()
+        assert commit_at is not None  # the learned offsets were read
         try:
             async with producer.transaction():
                 await producer.send(topic, value=value, key=key, partition=part.partition)
@@ -504,7 +504,7 @@ class Engine:
             if only is not None and p not in only:
                 continue
             at = state.offsets.committable()
-            if at > state.committed:
+            if at is not None and at > state.committed:
                 offsets[TopicPartition(topic, p)] = at
         if not offsets:
             return
