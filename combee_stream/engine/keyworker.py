@@ -21,6 +21,7 @@ from typing import Protocol
 
 import anyio
 import msgspec
+import structlog
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream
 
@@ -105,11 +106,13 @@ class KeyWorker:
         self.finished = anyio.Event()
 
     async def run(self) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-                await self._assemble(tg)
-        finally:
-            self.finished.set()
+        # Every log line of this key's pipeline (its child tasks copy the context) names it.
+        with structlog.contextvars.bound_contextvars(key=self.state.key):
+            try:
+                async with anyio.create_task_group() as tg:
+                    await self._assemble(tg)
+            finally:
+                self.finished.set()
 
     async def _assemble(self, tg: TaskGroup) -> None:
         window: Window | None = None
@@ -172,6 +175,7 @@ class KeyWorker:
 
     async def _finish(self, window: Window, previous: anyio.Event, done: anyio.Event) -> None:
         """Reduce ``window``, then publish it once ``previous`` (the window before) is out."""
+        structlog.contextvars.bind_contextvars(window=window.number)
         try:
             await window.reflections_done.wait()
             if window.failed:
