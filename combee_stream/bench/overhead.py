@@ -45,7 +45,6 @@ class OverheadRow(Struct, kw_only=True):
     peak_rss_mb: float
     baseline_rss_mb: float
     memo_entries: int
-    sim_requests_tracked: int
 
 
 class OverheadReport(Struct, kw_only=True):
@@ -96,7 +95,6 @@ def _row(backlog: int, r: WorkerResult) -> OverheadRow:
         peak_rss_mb=r.peak_rss_mb,
         baseline_rss_mb=r.baseline_rss_mb,
         memo_entries=r.memo_entries,
-        sim_requests_tracked=r.sim_requests_tracked,
     )
 
 
@@ -154,12 +152,14 @@ async def run_overhead(config: Config, settings: OverheadSettings) -> OverheadRe
         f"{settings.keys} keys, {settings.lessons_per_key} lessons per key, fixed batch size "
         f"{settings.batch_size}, LLM concurrency {settings.concurrency}, engine.queue_size "
         f"{settings.queue_size}; 3 partitions; at-least-once mode.",
-        "traces/s in real seconds from the first record read to the last trace decoded (bare) "
-        "or learned and published (engine); CPU = user + system time of the reading process "
-        "over the same span (for the engine it includes the in-process simulator's code).",
-        "memo_entries: completions the engine's LLM client keeps in memory (CompletionMemo "
-        "without a path keeps every entry for the life of the process); sim_requests_tracked: "
-        "request hashes the in-process simulator keeps (its stats): both grow with every call.",
+        "traces/s in real seconds: bare, from the seek to the start of the topic to the last "
+        "record decoded; engine, from its first record read to the last trace learned and "
+        "published. CPU = user + system time of the reading process over the same span (for "
+        "the engine it includes the in-process simulator's code). Peak RSS = VmHWM of the "
+        "reading process.",
+        "memo entries: completions the engine's LLM client keeps in memory (bounded by "
+        "llm.memo_max_entries). The in-process simulator's own per-request bookkeeping is "
+        "cleared every second: it is not the engine's memory.",
     ]
     return OverheadReport(
         latency_model=LatencyModel(),
@@ -181,7 +181,6 @@ def markdown(report: OverheadReport) -> str:
             "peak RSS (MiB)",
             "RSS before reading (MiB)",
             "memo entries",
-            "sim requests kept",
         ],
         [
             [
@@ -192,7 +191,6 @@ def markdown(report: OverheadReport) -> str:
                 r.peak_rss_mb,
                 r.baseline_rss_mb,
                 r.memo_entries,
-                r.sim_requests_tracked,
             ]
             for r in report.results
         ],

@@ -26,7 +26,7 @@ from combee_stream.engine.runner import Engine
 from combee_stream.kafka.client import client_kwargs, partitions_of
 from combee_stream.logs import configure_logging
 from combee_stream.schemas import Trace, decode
-from combee_stream.sim import IN_PROCESS_BASE_URL, SimSettings, sim_app, sim_http_client
+from combee_stream.sim import IN_PROCESS_BASE_URL, SimApp, SimSettings, sim_app, sim_http_client
 
 
 class WorkerJob(msgspec.Struct, kw_only=True):
@@ -45,11 +45,16 @@ class WorkerResult(msgspec.Struct, kw_only=True):
     baseline_rss_mb: float  # peak RSS before reading (interpreter, imports, clients)
     peak_rss_mb: float
     memo_entries: int = 0  # completions the engine's LLM client keeps in memory
-    sim_requests_tracked: int = 0  # request hashes the in-process simulator keeps
 
 
 def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    """Peak RSS of this process's own address space (VmHWM). Not ru_maxrss: Linux carries the
+    parent's RSS at fork into the child's ru_maxrss across exec."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # not Linux: best effort
 
 
 def _cpu() -> float:
@@ -70,13 +75,12 @@ async def bare(job: WorkerJob) -> WorkerResult:
         await consumer.seek_to_beginning(*tps)
         baseline = _peak_rss_mb()
         seen = 0
-        started = cpu = 0.0
+        # The clock starts before the first fetch: the consumer prefetches in the background.
+        started, cpu = anyio.current_time(), _cpu()
         with anyio.fail_after(job.limit_s):
             while seen < job.count:
                 batches = await consumer.getmany(timeout_ms=200)
                 for records in batches.values():
-                    if not started:
-                        started, cpu = anyio.current_time(), _cpu()
                     for record in records:
                         decode(record.value, Trace)
                         seen += 1
@@ -94,6 +98,14 @@ async def bare(job: WorkerJob) -> WorkerResult:
         await consumer.stop()
 
 
+async def _forget_requests(app: SimApp, every_s: float = 1.0) -> None:
+    """The simulator remembers every request it served (stats, attempt counts): not the
+    engine's memory, so it is cleared regularly (harmless without faults or jitter)."""
+    while True:
+        await anyio.sleep(every_s)
+        app.reset()
+
+
 async def engine(job: WorkerJob) -> WorkerResult:
     config = job.config
     app = sim_app(SimSettings(seed=config.learning.seed))
@@ -108,7 +120,13 @@ async def engine(job: WorkerJob) -> WorkerResult:
             baseline = _peak_rss_mb()
             started = cpu = 0.0
             async with anyio.create_task_group() as tg:
-                tg.start_soon(runner.run)
+
+                async def run_engine() -> None:
+                    await runner.run()
+                    tg.cancel_scope.cancel()  # the engine is closed: stop _forget_requests
+
+                tg.start_soon(run_engine)
+                tg.start_soon(_forget_requests, app)
                 await runner.started.wait()
                 with anyio.fail_after(job.limit_s):
                     while metric_total(runner.metrics.trace_to_publish, "_count") < job.count:
@@ -118,7 +136,6 @@ async def engine(job: WorkerJob) -> WorkerResult:
                 wall = anyio.current_time() - started
                 cpu = _cpu() - cpu
                 runner.stop()
-            tracked = len(app.stats()["completed_by_request"])
             return WorkerResult(
                 reader="engine",
                 count=job.count,
@@ -128,7 +145,6 @@ async def engine(job: WorkerJob) -> WorkerResult:
                 baseline_rss_mb=baseline,
                 peak_rss_mb=_peak_rss_mb(),
                 memo_entries=len(client.memo),
-                sim_requests_tracked=tracked,
             )
         finally:
             await client.aclose()
