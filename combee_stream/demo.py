@@ -99,7 +99,7 @@ async def _demo(args: argparse.Namespace, config: Config) -> int:
                         if all(learned[k] >= want[k] for k in keys):
                             break
             engine.stop()
-        newest = prompts.latest(keys[-1])
+        newest = prompts.latest(keys[0])
         if newest is not None:
             say(f"7. the newest prompt of {newest.key} (v{newest.version}):\n")
             say(newest.prompt)

@@ -363,3 +363,10 @@ def test_sections_and_slugs() -> None:
     )
     assert [s.name for s in out.playbook.sections] == ["ONLY", "OTHERS"]
     assert out.added == ["misc-00001"]
+
+
+def test_render_for_agents_omits_empty_sections_but_roles_see_them() -> None:
+    book = pb.new_playbook("k", "Be brief.")
+    assert pb.render(book) == "Be brief.\n"
+    for_roles = pb.render(book, empty_sections=True)
+    assert all(f"## {name}" in for_roles for name in pb.DEFAULT_SECTIONS)

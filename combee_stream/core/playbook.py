@@ -161,12 +161,17 @@ def render_bullet(bullet: Bullet) -> str:
     return f"[{bullet.id}] helpful={bullet.helpful} harmful={bullet.harmful} :: {bullet.content}"
 
 
-def render(playbook: Playbook) -> str:
-    """The system prompt: ``base_prompt``, then every section as ``## NAME`` and its bullets."""
+def render(playbook: Playbook, *, empty_sections: bool = False) -> str:
+    """The system prompt: ``base_prompt``, then each section as ``## NAME`` and its bullets.
+
+    Agents get no empty headers; the LLM roles ask for them (``empty_sections=True``) so the
+    curator sees every section it may add to."""
     parts: list[str] = []
     if playbook.base_prompt.strip():
         parts.append(playbook.base_prompt.rstrip())
     for section in playbook.sections:
+        if not section.bullets and not empty_sections:
+            continue
         lines = [f"## {section.name}", *(render_bullet(b) for b in section.bullets)]
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"

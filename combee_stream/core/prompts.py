@@ -214,7 +214,7 @@ def render_stats(s: PlaybookStats) -> str:
 def reflector_messages(prompts: Prompts, playbook: Playbook, trace: Trace) -> list[ChatMessage]:
     return prompts.reflector.fill(
         {
-            "playbook": render(playbook).strip(),
+            "playbook": render(playbook, empty_sections=True).strip(),
             "bullets_used": render_bullets_used(playbook, trace),
             "trace": render_trace(trace),
         }
@@ -233,7 +233,7 @@ def curator_messages(
     s = playbook_stats or stats(playbook)
     return prompts.curator.fill(
         {
-            "playbook": render(playbook).strip(),
+            "playbook": render(playbook, empty_sections=True).strip(),
             "reflections": render_reflections(records),
             "progress": progress or "not given",
             "stats": render_stats(s),
@@ -247,7 +247,7 @@ def combiner_messages(
 ) -> list[ChatMessage]:
     return prompts.combiner.fill(
         {
-            "playbook": render(playbook).strip(),
+            "playbook": render(playbook, empty_sections=True).strip(),
             "partial_updates": render_partial_updates(partials),
             "token_budget": f"{token_budget} tokens",
         }
