@@ -1,0 +1,295 @@
+"""Smoke test against a REAL model: SmolLM2-135M-Instruct behind llama-cpp-python's server.
+
+The simulator tests cover the logic; these check the plumbing that only a real server exercises:
+``json_object`` + ``schema`` (grammar-constrained) replies that msgspec accepts, real token usage,
+the memo on a real reply, and a full learner window producing a valid playbook. The model is
+tiny and weak, so nothing here looks at what it wrote, only at the shape.
+
+Why the learner runs on length-bounded mirrors of the output types (:class:`BoundedLLM`): the
+grammar llama.cpp derives from a JSON Schema fixes the shape but not the length. With unbounded
+strings and arrays, SmolLM2 at temperature 0 loops (``"15% of 80% of 20% of ..."``, one more
+operation after another) until ``max_tokens`` cuts the JSON, and every re-ask loops the same way.
+Its grammar also lets raw control characters into strings, which strict JSON (msgspec) rejects.
+The mirrors add a ``pattern`` per string (no control characters, at most N characters) and a
+``maxItems`` per list, so every reply ends well inside ``max_tokens``; replies are decoded back
+into the real types, and a model-free test keeps the mirrors in step with the real outputs.
+
+Needs ``.venv-llm`` (``make llm-venv``, i.e. ``python tests/realmodel.py``): skipped without it,
+failed when CI=true. Run alone with ``.venv/bin/pytest -m realmodel``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any, Final, Literal, TypeVar
+
+import anyio
+import msgspec
+import pytest
+import realmodel
+
+from combee_stream.config import LearningConfig, LLMConfig
+from combee_stream.core.learner import Learner, WindowResult
+from combee_stream.core.llm import ChatMessage, Completion, LLMClient, Role, RoleUsage
+from combee_stream.core.outputs import CuratorOutput, ReflectorOutput
+from combee_stream.core.playbook import new_playbook, render
+from combee_stream.schemas import (
+    BulletTagKind,
+    Feedback,
+    Playbook,
+    Source,
+    Step,
+    Trace,
+    decode,
+    encode,
+)
+
+T = TypeVar("T")
+
+VENV: Final = Path(os.environ.get("COMBEE_LLM_VENV", str(realmodel.DEFAULT_VENV)))
+KEY: Final = "smoke"
+# Above the longest reply the bounded types allow in practice (about 600 characters).
+MAX_TOKENS: Final = 400
+BULLET_ID: Final = re.compile(r"^[a-z]+-\d{5}$")
+
+# JSON-safe text of bounded length: the grammar then cannot loop nor emit a raw newline.
+Text = Annotated[str, msgspec.Meta(pattern=r'^[^\x00-\x1f"\\]{0,64}$')]
+Content = Annotated[str, msgspec.Meta(pattern=r'^[^\x00-\x1f"\\]{1,64}$')]
+Name = Annotated[str, msgspec.Meta(pattern=r'^[^\x00-\x1f"\\]{1,32}$')]
+
+
+class BoundedTag(msgspec.Struct, forbid_unknown_fields=True):
+    bullet_id: Name
+    tag: BulletTagKind
+
+
+class BoundedReflectorOutput(msgspec.Struct):
+    reasoning: Text
+    error_identification: Text
+    root_cause_analysis: Text
+    correct_approach: Text
+    key_insight: Text
+    bullet_tags: Annotated[list[BoundedTag], msgspec.Meta(max_length=2)] = []
+
+
+class BoundedAdd(msgspec.Struct, tag="ADD", tag_field="type", forbid_unknown_fields=True):
+    section: Name
+    content: Content
+
+
+class BoundedUpdate(msgspec.Struct, tag="UPDATE", tag_field="type", forbid_unknown_fields=True):
+    bullet_id: Name
+    content: Content
+
+
+class BoundedRemove(msgspec.Struct, tag="REMOVE", tag_field="type", forbid_unknown_fields=True):
+    bullet_id: Name
+
+
+class BoundedCuratorOutput(msgspec.Struct):
+    reasoning: Text
+    operations: Annotated[
+        list[BoundedAdd | BoundedUpdate | BoundedRemove], msgspec.Meta(max_length=2)
+    ]
+
+
+BOUNDED: Final[dict[type[Any], type[Any]]] = {
+    ReflectorOutput: BoundedReflectorOutput,
+    CuratorOutput: BoundedCuratorOutput,
+}
+
+
+class BoundedLLM:
+    """The learner's LLM: the real client, asked for the bounded mirror of each output type,
+    the reply re-decoded (strictly) into the real type."""
+
+    def __init__(self, client: LLMClient) -> None:
+        self._client = client
+
+    async def complete(
+        self, role: Role, messages: list[ChatMessage], output_type: type[T]
+    ) -> Completion[T]:
+        got = await self._client.complete(role, messages, BOUNDED[output_type])
+        value = msgspec.json.decode(msgspec.json.encode(got.value), type=output_type)
+        return Completion(
+            value=value,
+            tokens_in=got.tokens_in,
+            tokens_out=got.tokens_out,
+            cached=got.cached,
+            attempts=got.attempts,
+            latency_s=got.latency_s,
+        )
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("true", "1", "yes")
+
+
+@pytest.fixture(scope="module")
+def llama_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Base URL (without /v1) of a llama.cpp server running SmolLM2 for this module."""
+    if not realmodel.is_ready(VENV):
+        reason = f"{VENV} is not set up: run `make llm-venv` (python tests/realmodel.py)"
+        if _in_ci():
+            pytest.fail(reason, pytrace=False)
+        pytest.skip(reason)
+    log = tmp_path_factory.mktemp("llama") / "server.log"
+    with realmodel.llama_server(VENV, log) as url:
+        yield url
+
+
+def llm_config(url: str) -> LLMConfig:
+    role = {
+        "base_url": f"{url}/v1",
+        "model": "local",
+        "mode": "json_object",
+        "temperature": 0.0,
+        "max_tokens": MAX_TOKENS,
+        "api_key_env": "COMBEE_REALMODEL_NO_KEY",  # a local server takes any key
+    }
+    # Through msgspec.convert, so the config is validated as a loaded file would be. One
+    # request at a time: llama.cpp serializes them anyway, and queueing would eat the timeout.
+    return msgspec.convert(
+        {
+            "reflector": role,
+            "curator": role,
+            "combiner": role,
+            "concurrency": 1,
+            "timeout_s": 300.0,  # a contended 2-core machine decodes at ~10 tok/s
+            "max_attempts": 3,
+        },
+        LLMConfig,
+    )
+
+
+def traces() -> list[Trace]:
+    """Three tiny hand-written traces: one failure, one success, one tool mistake."""
+    return [
+        Trace(
+            key=KEY,
+            trace_id="t1",
+            task="What is 15% of 80?",
+            output="15",
+            feedback=Feedback(passed=False, ground_truth="12", text="Multiply 80 by 0.15."),
+        ),
+        Trace(
+            key=KEY,
+            trace_id="t2",
+            task="Convert 2 hours to minutes.",
+            output="120",
+            feedback=Feedback(passed=True, score=1.0),
+        ),
+        Trace(
+            key=KEY,
+            trace_id="t3",
+            task="Find the weather in Paris.",
+            steps=[
+                Step(kind="tool_call", name="weather", content='{"city": "Pari"}'),
+                Step(kind="observation", name="weather", content="error: unknown city"),
+            ],
+            output="I could not find it.",
+            feedback=Feedback(passed=False, text="The city name was misspelled."),
+        ),
+    ]
+
+
+class Verdict(msgspec.Struct, forbid_unknown_fields=True):
+    """A small typed reply: an enum, a bounded int and a bounded list, all in the grammar."""
+
+    answer: Literal["yes", "no"]
+    confidence: Annotated[int, msgspec.Meta(ge=0, le=10)]
+    reasons: Annotated[list[Name], msgspec.Meta(max_length=2)]
+
+
+def test_bounded_mirrors_match_the_real_outputs() -> None:
+    """Model-free: the mirrors have the real fields, and a mirror reply is a real reply."""
+    for real, bounded in BOUNDED.items():
+        names = [f.name for f in msgspec.structs.fields(real)]
+        assert names == [f.name for f in msgspec.structs.fields(bounded)], real
+    reflection = BoundedReflectorOutput(
+        "r", "e", "c", "a", "k", [BoundedTag("strat-00001", "helpful")]
+    )
+    assert decode(encode(reflection), ReflectorOutput).bullet_tags[0].bullet_id == "strat-00001"
+    curation = BoundedCuratorOutput(
+        "r", [BoundedAdd("OTHERS", "x"), BoundedUpdate("misc-00002", "y"), BoundedRemove("z")]
+    )
+    assert [type(op).__name__ for op in decode(encode(curation), CuratorOutput).operations] == [
+        "AddOp",
+        "UpdateOp",
+        "RemoveOp",
+    ]
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(
+            b'{"reasoning": "' + b"x" * 65 + b'", "operations": []}', type=BoundedCuratorOutput
+        )
+
+
+@pytest.mark.realmodel
+@pytest.mark.timeout(900)  # the server's start and a slow, contended machine
+def test_json_object_schema_reply_validates_and_is_memoized(llama_url: str) -> None:
+    messages: list[ChatMessage] = [
+        {"role": "system", "content": "You answer in JSON."},
+        {"role": "user", "content": "Is Paris in France? Give a confidence from 0 to 10."},
+    ]
+
+    async def run() -> tuple[Completion[Verdict], Completion[Verdict], dict[str, RoleUsage]]:
+        async with LLMClient(llm_config(llama_url), env={}) as client:
+            first = await client.complete("reflector", messages, Verdict)
+            again = await client.complete("reflector", messages, Verdict)
+            return first, again, client.usage()
+
+    first, again, usage = anyio.run(run)
+    assert isinstance(first.value, Verdict) and first.value.answer in ("yes", "no")
+    assert 0 <= first.value.confidence <= 10
+    assert not first.cached and first.attempts >= 1
+    assert first.tokens_in > 0 and first.tokens_out > 0, "the server reported real usage"
+    assert again.cached and again.value == first.value, "the same request is served from the memo"
+    assert again.tokens_in == again.tokens_out == 0
+    reflector = usage["reflector"]
+    assert reflector.calls == 2 and reflector.cached_calls == 1 and reflector.failed_calls == 0
+    assert reflector.tokens_in == first.tokens_in and reflector.tokens_out >= first.tokens_out
+
+
+@pytest.mark.realmodel
+@pytest.mark.timeout(900)  # the server's start and a slow, contended machine
+def test_learner_window_on_real_model_yields_valid_playbook(llama_url: str) -> None:
+    window = traces()
+    sources = [Source(trace_id=t.trace_id) for t in window]
+
+    async def run() -> tuple[WindowResult, dict[str, RoleUsage]]:
+        async with LLMClient(llm_config(llama_url), env={}) as client:
+            learner = Learner(BoundedLLM(client), LearningConfig(), strategy_name="naive")
+            result = await learner.learn_window(
+                new_playbook(KEY), list(zip(window, sources, strict=True))
+            )
+            return result, client.usage()
+
+    result, usage = anyio.run(run)
+    assert result.failed == [], f"reflections failed: {[f.reason for f in result.failed]}"
+    assert sorted(result.learned) == sorted(sources), "every trace learned once"
+    assert result.applied.applied
+
+    playbook = result.playbook
+    assert decode(encode(playbook), Playbook) == playbook, "msgspec round trip"
+    assert playbook.key == KEY and playbook.version == 1
+    bullets = [b for s in playbook.sections for b in s.bullets]
+    ids = [b.id for b in bullets]
+    assert len(set(ids)) == len(ids)
+    for bullet in bullets:
+        assert bullet.content.strip(), bullet
+        assert BULLET_ID.match(bullet.id), bullet.id
+        assert int(bullet.id.rsplit("-", 1)[1]) < playbook.next_id
+    text = render(playbook)
+    assert all(f"## {s.name}" in text for s in playbook.sections)
+    assert all(b.content in text for b in bullets)
+
+    reflector, curator = usage["reflector"], usage["curator"]
+    assert reflector.calls == 3 and curator.calls == 1, "naive: 3 reflections, 1 curator call"
+    for role in (reflector, curator):
+        assert role.failed_calls == 0 and role.cached_calls == 0
+        assert role.tokens_in > 0 and role.tokens_out > 0
+    assert result.stats.tokens_in == reflector.tokens_in + curator.tokens_in
+    assert result.stats.tokens_out == reflector.tokens_out + curator.tokens_out
