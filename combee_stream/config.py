@@ -75,6 +75,11 @@ class RoleConfig(_Section):
     api_key_env: str = "OPENAI_API_KEY"
     # json_schema: OpenAI / vLLM; json_object: llama.cpp (json_object + schema); text: parse.
     mode: Literal["json_schema", "json_object", "text"] = "json_schema"
+    # Bounds added to the JSON Schema sent to the endpoint (0 = none). Grammar-constrained
+    # small models (llama.cpp) can repeat themselves until max_tokens; bounded strings and
+    # lists make every reply finish. Replies are still validated against the full types.
+    max_string_chars: Annotated[int, Meta(ge=0)] = 0
+    max_list_items: Annotated[int, Meta(ge=0)] = 0
     # USD per million tokens, for cost accounting only.
     price_in: float = 0.0
     price_out: float = 0.0

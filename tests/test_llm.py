@@ -26,7 +26,10 @@ from combee_stream.core.llm import (
     MissingEndpointError,
     RetryPolicy,
     Role,
+    bound_schema,
+    decode_reply,
     extract_json,
+    output_schema,
 )
 from combee_stream.core.memo import CompletionMemo, MemoEntry
 from combee_stream.core.outputs import CuratorOutput, ReflectorOutput
@@ -523,3 +526,34 @@ def test_memo_keeps_only_the_newest_entries_when_bounded() -> None:
     assert len(memo) == 3
     assert "k0" not in memo and "k1" not in memo
     assert all(f"k{i}" in memo for i in (2, 3, 4))
+
+
+def test_replies_with_raw_control_characters_in_strings_are_accepted() -> None:
+    raw = '{"reasoning": "line one\nline two", "operations": []}'
+    value = decode_reply(raw, CuratorOutput)
+    assert value.reasoning == "line one\nline two"
+    with pytest.raises(msgspec.DecodeError):
+        decode_reply('{"reasoning": "cut', CuratorOutput)
+    with pytest.raises(msgspec.ValidationError):
+        decode_reply('{"reasoning": 3, "operations": []}', CuratorOutput)
+
+
+def test_bound_schema_limits_strings_and_lists_but_not_enums() -> None:
+    schema = bound_schema(output_schema(CuratorOutput), 64, 2)
+    text = json.dumps(schema)
+    assert '"maxItems": 2' in text and '"maxLength": 64' in text
+    # the op tag ("ADD" / "UPDATE" / "REMOVE") is an enum: left alone
+    assert all("maxLength" not in node for node in _walk(schema) if "enum" in node)
+    assert bound_schema(output_schema(CuratorOutput), 0, 0) == output_schema(CuratorOutput)
+
+
+def _walk(node: Any) -> list[dict[str, Any]]:
+    found: list[dict[str, Any]] = []
+    if isinstance(node, dict):
+        found.append(node)
+        for value in node.values():
+            found.extend(_walk(value))
+    elif isinstance(node, list):
+        for value in node:
+            found.extend(_walk(value))
+    return found

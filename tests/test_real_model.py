@@ -5,14 +5,12 @@ The simulator tests cover the logic; these check the plumbing that only a real s
 the memo on a real reply, and a full learner window producing a valid playbook. The model is
 tiny and weak, so nothing here looks at what it wrote, only at the shape.
 
-Why the learner runs on length-bounded mirrors of the output types (:class:`BoundedLLM`): the
-grammar llama.cpp derives from a JSON Schema fixes the shape but not the length. With unbounded
-strings and arrays, SmolLM2 at temperature 0 loops (``"15% of 80% of 20% of ..."``, one more
-operation after another) until ``max_tokens`` cuts the JSON, and every re-ask loops the same way.
-Its grammar also lets raw control characters into strings, which strict JSON (msgspec) rejects.
-The mirrors add a ``pattern`` per string (no control characters, at most N characters) and a
-``maxItems`` per list, so every reply ends well inside ``max_tokens``; replies are decoded back
-into the real types, and a model-free test keeps the mirrors in step with the real outputs.
+Why the roles set ``max_string_chars`` / ``max_list_items``: the grammar llama.cpp derives from
+a JSON Schema fixes the shape but not the length. With unbounded strings and arrays, SmolLM2 at
+temperature 0 loops (``"15% of 80% of 20% of ..."``, one more operation after another) until
+``max_tokens`` cuts the JSON, and every re-ask loops the same way. The LLM layer adds the bounds
+to the schema it sends (replies are still validated against the full types), so every reply ends
+well inside ``max_tokens``.
 
 Needs ``.venv-llm`` (``make llm-venv``, i.e. ``python tests/realmodel.py``): skipped without it,
 failed when CI=true. Run alone with ``.venv/bin/pytest -m realmodel``.
@@ -23,7 +21,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator
-from typing import Annotated, Any, Final, Literal, TypeVar
+from typing import Annotated, Final, Literal, TypeVar
 
 import anyio
 import msgspec
@@ -32,11 +30,9 @@ import realmodel
 
 from combee_stream.config import LearningConfig, LLMConfig
 from combee_stream.core.learner import Learner, WindowResult
-from combee_stream.core.llm import ChatMessage, Completion, LLMClient, Role, RoleUsage
-from combee_stream.core.outputs import CuratorOutput, ReflectorOutput
+from combee_stream.core.llm import ChatMessage, Completion, LLMClient, RoleUsage
 from combee_stream.core.playbook import new_playbook, render
 from combee_stream.schemas import (
-    BulletTagKind,
     Feedback,
     Playbook,
     Source,
@@ -51,77 +47,11 @@ T = TypeVar("T")
 # Relative to the repository (make passes COMBEE_LLM_VENV=$(LLM_VENV)).
 VENV: Final = realmodel.REPO / os.environ.get("COMBEE_LLM_VENV", str(realmodel.DEFAULT_VENV))
 KEY: Final = "smoke"
-# Above the longest reply the bounded types allow in practice (about 600 characters).
+# Above the longest reply the bounded schemas allow in practice (about 600 characters).
 MAX_TOKENS: Final = 400
 BULLET_ID: Final = re.compile(r"^[a-z]+-\d{5}$")
 
-# JSON-safe text of bounded length: the grammar then cannot loop nor emit a raw newline.
-Text = Annotated[str, msgspec.Meta(pattern=r'^[^\x00-\x1f"\\]{0,64}$')]
-Content = Annotated[str, msgspec.Meta(pattern=r'^[^\x00-\x1f"\\]{1,64}$')]
 Name = Annotated[str, msgspec.Meta(pattern=r'^[^\x00-\x1f"\\]{1,32}$')]
-
-
-class BoundedTag(msgspec.Struct, forbid_unknown_fields=True):
-    bullet_id: Name
-    tag: BulletTagKind
-
-
-class BoundedReflectorOutput(msgspec.Struct):
-    reasoning: Text
-    error_identification: Text
-    root_cause_analysis: Text
-    correct_approach: Text
-    key_insight: Text
-    bullet_tags: Annotated[list[BoundedTag], msgspec.Meta(max_length=2)] = []
-
-
-class BoundedAdd(msgspec.Struct, tag="ADD", tag_field="type", forbid_unknown_fields=True):
-    section: Name
-    content: Content
-
-
-class BoundedUpdate(msgspec.Struct, tag="UPDATE", tag_field="type", forbid_unknown_fields=True):
-    bullet_id: Name
-    content: Content
-
-
-class BoundedRemove(msgspec.Struct, tag="REMOVE", tag_field="type", forbid_unknown_fields=True):
-    bullet_id: Name
-
-
-class BoundedCuratorOutput(msgspec.Struct):
-    reasoning: Text
-    operations: Annotated[
-        list[BoundedAdd | BoundedUpdate | BoundedRemove], msgspec.Meta(max_length=2)
-    ]
-
-
-BOUNDED: Final[dict[type[Any], type[Any]]] = {
-    ReflectorOutput: BoundedReflectorOutput,
-    CuratorOutput: BoundedCuratorOutput,
-}
-
-
-class BoundedLLM:
-    """The learner's LLM: the real client, asked for the bounded mirror of each output type,
-    the reply re-decoded (strictly) into the real type."""
-
-    def __init__(self, client: LLMClient) -> None:
-        self._client = client
-
-    async def complete(
-        self, role: Role, messages: list[ChatMessage], output_type: type[T]
-    ) -> Completion[T]:
-        got = await self._client.complete(role, messages, BOUNDED[output_type])
-        value = msgspec.json.decode(msgspec.json.encode(got.value), type=output_type)
-        return Completion(
-            value=value,
-            tokens_in=got.tokens_in,
-            tokens_out=got.tokens_out,
-            cached=got.cached,
-            attempts=got.attempts,
-            latency_s=got.latency_s,
-        )
 
 
 def _in_ci() -> bool:
@@ -148,6 +78,8 @@ def llm_config(url: str) -> LLMConfig:
         "mode": "json_object",
         "temperature": 0.0,
         "max_tokens": MAX_TOKENS,
+        "max_string_chars": 64,
+        "max_list_items": 2,
         "api_key_env": "COMBEE_REALMODEL_NO_KEY",  # a local server takes any key
     }
     # Through msgspec.convert, so the config is validated as a loaded file would be. One
@@ -204,29 +136,6 @@ class Verdict(msgspec.Struct, forbid_unknown_fields=True):
     reasons: Annotated[list[Name], msgspec.Meta(max_length=2)]
 
 
-def test_bounded_mirrors_match_the_real_outputs() -> None:
-    """Model-free: the mirrors have the real fields, and a mirror reply is a real reply."""
-    for real, bounded in BOUNDED.items():
-        names = [f.name for f in msgspec.structs.fields(real)]
-        assert names == [f.name for f in msgspec.structs.fields(bounded)], real
-    reflection = BoundedReflectorOutput(
-        "r", "e", "c", "a", "k", [BoundedTag("strat-00001", "helpful")]
-    )
-    assert decode(encode(reflection), ReflectorOutput).bullet_tags[0].bullet_id == "strat-00001"
-    curation = BoundedCuratorOutput(
-        "r", [BoundedAdd("OTHERS", "x"), BoundedUpdate("misc-00002", "y"), BoundedRemove("z")]
-    )
-    assert [type(op).__name__ for op in decode(encode(curation), CuratorOutput).operations] == [
-        "AddOp",
-        "UpdateOp",
-        "RemoveOp",
-    ]
-    with pytest.raises(msgspec.ValidationError):
-        msgspec.json.decode(
-            b'{"reasoning": "' + b"x" * 65 + b'", "operations": []}', type=BoundedCuratorOutput
-        )
-
-
 @pytest.mark.realmodel
 @pytest.mark.timeout(900)  # the server's start and a slow, contended machine
 def test_json_object_schema_reply_validates_and_is_memoized(llama_url: str) -> None:
@@ -261,7 +170,7 @@ def test_learner_window_on_real_model_yields_valid_playbook(llama_url: str) -> N
 
     async def run() -> tuple[WindowResult, dict[str, RoleUsage]]:
         async with LLMClient(llm_config(llama_url), env={}) as client:
-            learner = Learner(BoundedLLM(client), LearningConfig(), strategy_name="naive")
+            learner = Learner(client, LearningConfig(), strategy_name="naive")
             result = await learner.learn_window(
                 new_playbook(KEY), list(zip(window, sources, strict=True))
             )

@@ -237,6 +237,21 @@ def output_schema(output_type: type[Any]) -> dict[str, Any]:
     return schema
 
 
+def bound_schema(schema: Any, max_string_chars: int, max_list_items: int) -> Any:
+    """A copy of ``schema`` whose strings and arrays carry ``maxLength`` / ``maxItems``
+    (0 leaves that kind unbounded); enums and existing tighter bounds are kept."""
+    if isinstance(schema, list):
+        return [bound_schema(item, max_string_chars, max_list_items) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: bound_schema(v, max_string_chars, max_list_items) for k, v in schema.items()}
+    if out.get("type") == "string" and max_string_chars and "enum" not in out:
+        out["maxLength"] = min(out.get("maxLength", max_string_chars), max_string_chars)
+    if out.get("type") == "array" and max_list_items:
+        out["maxItems"] = min(out.get("maxItems", max_list_items), max_list_items)
+    return out
+
+
 def _refers_to(node: object, ref: str) -> bool:
     if isinstance(node, dict):
         return node.get("$ref") == ref or any(_refers_to(v, ref) for v in node.values())
@@ -371,6 +386,8 @@ class LLMClient:
         schema = self._schemas.get(output_type)
         if schema is None:
             schema = self._schemas[output_type] = output_schema(output_type)
+        if rc.max_string_chars or rc.max_list_items:
+            schema = bound_schema(schema, rc.max_string_chars, rc.max_list_items)
         key = request_key(
             {
                 "role": role,
@@ -471,7 +488,7 @@ class LLMClient:
             usage.cost_usd += (tokens_in * rc.price_in + tokens_out * rc.price_out) / 1e6
             try:
                 text = extract_json(reply) if rc.mode == "text" else reply
-                value = msgspec.json.decode(text, type=output_type)
+                value = decode_reply(text, output_type)
             except (_InvalidReply, msgspec.DecodeError) as exc:
                 usage.invalid_replies += 1
                 reason = f"invalid reply: {exc}"
@@ -672,6 +689,22 @@ class LLMClient:
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
+
+
+def decode_reply(text: str, output_type: type[T]) -> T:
+    """Validate a reply. Raw control characters inside JSON strings (a raw newline, say) are
+    tolerated: grammar-constrained servers such as llama.cpp let them through, and rejecting a
+    reply for them would only make the model repeat it."""
+    try:
+        return msgspec.json.decode(text, type=output_type)
+    except msgspec.ValidationError:
+        raise
+    except msgspec.DecodeError as strict_error:
+        try:
+            loose = json.loads(text, strict=False)
+        except ValueError:
+            raise strict_error from None
+        return msgspec.convert(loose, output_type)
 
 
 def _with_instruction(messages: list[ChatMessage], instruction: str) -> list[ChatMessage]:
