@@ -14,11 +14,10 @@ from typing import Any
 
 import anyio
 import msgspec
-from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from combee_stream.config import Config, RoleConfig
-from combee_stream.kafka.client import partitions_of
 from combee_stream.kafka.producer import TraceProducer
+from combee_stream.kafka.reader import read_to_end
 from combee_stream.schemas import PromptUpdate, Trace, decode
 from combee_stream.sim.markers import retained_ids
 
@@ -125,48 +124,12 @@ async def produce(cfg: Config, traces: list[Trace]) -> dict[str, tuple[int, int]
 
 async def read_updates(cfg: Config) -> list[PromptUpdate]:
     """Every committed PromptUpdate on the prompts topic, in topic order per partition."""
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=cfg.kafka.bootstrap_servers,
-        group_id=None,
-        enable_auto_commit=False,
-        isolation_level="read_committed",
-    )
-    await consumer.start()
-    updates: list[PromptUpdate] = []
-    try:
-        topic = cfg.kafka.prompts_topic
-        tps = [TopicPartition(topic, p) for p in sorted(await partitions_of(consumer, topic))]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        end = await consumer.end_offsets(tps)
-        for tp in tps:
-            while await consumer.position(tp) < end[tp]:
-                for records in (await consumer.getmany(tp, timeout_ms=500)).values():
-                    updates.extend(decode(r.value, PromptUpdate) for r in records)
-    finally:
-        await consumer.stop()
-    return updates
+    records = await read_to_end(cfg.kafka, cfg.kafka.prompts_topic)
+    return [decode(r.value, PromptUpdate) for r in records]
 
 
 async def read_dlq(cfg: Config) -> list[Any]:
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=cfg.kafka.bootstrap_servers, group_id=None, enable_auto_commit=False
-    )
-    await consumer.start()
-    records: list[Any] = []
-    try:
-        topic = cfg.kafka.dlq_topic
-        tps = [TopicPartition(topic, p) for p in sorted(await partitions_of(consumer, topic))]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        end = await consumer.end_offsets(tps)
-        for tp in tps:
-            while await consumer.position(tp) < end[tp]:
-                for batch in (await consumer.getmany(tp, timeout_ms=500)).values():
-                    records.extend(batch)
-    finally:
-        await consumer.stop()
-    return records
+    return await read_to_end(cfg.kafka, cfg.kafka.dlq_topic)
 
 
 class Audit(msgspec.Struct):

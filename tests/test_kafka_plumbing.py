@@ -8,20 +8,19 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import anyio
 import msgspec
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from combee_stream.config import Config, KafkaConfig
 from combee_stream.errors import UserError
 from combee_stream.kafka import ingest as ing
-from combee_stream.kafka.client import partitions_of
 from combee_stream.kafka.commands import seed_prompt
 from combee_stream.kafka.producer import TraceProducer, make_producer, publish_update
+from combee_stream.kafka.reader import read_to_end
 from combee_stream.kafka.subscriber import PromptSubscriber
 from combee_stream.kafka.topics import TopicMismatchError, ensure_topics
 from combee_stream.schemas import (
@@ -123,27 +122,6 @@ async def consume_all(
         # Read a little longer: more than expected is a failure we must see.
         for batch in (await consumer.getmany(timeout_ms=500)).values():
             records.extend(batch)
-    finally:
-        await consumer.stop()
-    return records
-
-
-async def read_to_end(cfg: KafkaConfig, topic: str) -> list[Any]:
-    """Every record currently readable in ``topic`` (up to its end offsets at call time)."""
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=cfg.bootstrap_servers, group_id=None, enable_auto_commit=False
-    )
-    await consumer.start()
-    records: list[Any] = []
-    try:
-        tps = [TopicPartition(topic, p) for p in sorted(await partitions_of(consumer, topic))]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        end = await consumer.end_offsets(tps)
-        for tp in tps:
-            while await consumer.position(tp) < end[tp]:
-                for batch in (await consumer.getmany(tp, timeout_ms=500)).values():
-                    records.extend(batch)
     finally:
         await consumer.stop()
     return records

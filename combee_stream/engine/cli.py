@@ -8,12 +8,10 @@ import json
 import sys
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
-
 from combee_stream.config import Config
 from combee_stream.errors import UserError
-from combee_stream.kafka.client import client_kwargs, partitions_of
-from combee_stream.schemas import DecodeError, PromptUpdate, decode
+from combee_stream.kafka.reader import read_to_end
+from combee_stream.schemas import DecodeError, PromptUpdate, decode, encode
 
 
 def register(sub: Any) -> None:
@@ -39,36 +37,16 @@ async def _run(args: argparse.Namespace, config: Config) -> int:
 
 async def read_versions(config: Config, key: str) -> list[PromptUpdate]:
     """Every version of ``key`` still on the prompts topic (compaction keeps the newest)."""
-    consumer = AIOKafkaConsumer(
-        **client_kwargs(config.kafka),
-        group_id=None,
-        enable_auto_commit=False,
-        isolation_level="read_committed",
-    )
-    await consumer.start()
-    try:
-        partitions = await partitions_of(consumer, config.kafka.prompts_topic)
-        if not partitions:
-            raise UserError(f"prompts topic {config.kafka.prompts_topic!r} does not exist")
-        tps = [TopicPartition(config.kafka.prompts_topic, p) for p in sorted(partitions)]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        end = await consumer.end_offsets(tps)
-        versions: dict[int, PromptUpdate] = {}
-        for tp in tps:
-            while await consumer.position(tp) < end[tp]:
-                for records in (await consumer.getmany(tp, timeout_ms=500)).values():
-                    for record in records:
-                        if record.key != key.encode() or record.value is None:
-                            continue
-                        try:
-                            update = decode(record.value, PromptUpdate)
-                        except DecodeError:
-                            continue
-                        versions[update.version] = update
-        return [versions[v] for v in sorted(versions)]
-    finally:
-        await consumer.stop()
+    versions: dict[int, PromptUpdate] = {}
+    for record in await read_to_end(config.kafka, config.kafka.prompts_topic):
+        if record.key != key.encode() or record.value is None:
+            continue
+        try:
+            update = decode(record.value, PromptUpdate)
+        except DecodeError:
+            continue
+        versions[update.version] = update
+    return [versions[v] for v in sorted(versions)]
 
 
 async def _inspect(args: argparse.Namespace, config: Config) -> int:
@@ -79,7 +57,7 @@ async def _inspect(args: argparse.Namespace, config: Config) -> int:
     newest = versions[-1]
     out = sys.stdout
     if args.json:
-        out.write(json.dumps(json.loads(_encode(newest)), indent=2) + "\n")
+        out.write(json.dumps(json.loads(encode(newest)), indent=2) + "\n")
         return 0
     if args.diff:
         old, new = args.diff
@@ -109,9 +87,3 @@ async def _inspect(args: argparse.Namespace, config: Config) -> int:
             f"{u.stats.window_traces:>7}  {u.stats.batch_size:>6}  {bullets:>7}  {created}\n"
         )
     return 0
-
-
-def _encode(update: PromptUpdate) -> str:
-    from combee_stream.schemas import encode
-
-    return encode(update).decode()
