@@ -47,7 +47,7 @@ class LatencySettings(Struct, kw_only=True):
     rates_per_s: list[float]  # total arrivals per model second, over all keys
     duration_s: float  # model seconds of arrivals per run
     keys: int
-    lessons_per_key: int
+    traces_per_lesson: int  # every lesson is carried by this many traces: fresh lessons all along
     batch_size: int
     max_wait_s: float  # model seconds
     max_windows_in_flight: int
@@ -101,7 +101,7 @@ def latency_settings(
         rates_per_s=[1.0, 2.0],
         duration_s=90.0 if quick else 300.0,
         keys=2,
-        lessons_per_key=100,
+        traces_per_lesson=2,
         batch_size=10,
         max_wait_s=5.0,
         max_windows_in_flight=2,
@@ -125,9 +125,8 @@ async def _one(
 ) -> LatencyRow:
     scale = min(s.time_scale, s.rate_cap / (rate * 1.5))
     total = max(s.keys, round(rate * s.duration_s))
-    traces = generate_traces(
-        max(total, s.keys * s.lessons_per_key), s.keys, s.lessons_per_key, seed=s.seed
-    )[:total]
+    lessons = max(1, total // (s.keys * s.traces_per_lesson))
+    traces = generate_traces(total, s.keys, lessons, seed=s.seed)
     cfg = fresh_topics(config, "latency")
     await ensure_topics(cfg.kafka)
     sent_at: dict[str, float] = {}
@@ -235,7 +234,8 @@ async def run_latency(
         for r in behind
     ]
     notes += [
-        f"{s.keys} keys, {s.lessons_per_key} lessons per key, fixed batch size {s.batch_size}, "
+        f"{s.keys} keys, every lesson carried by {s.traces_per_lesson} traces (new lessons "
+        f"arrive all along, the playbooks grow), fixed batch size {s.batch_size}, "
         f"max wait {s.max_wait_s:g} s, {s.max_windows_in_flight} windows in flight per key "
         f"(pipelined), LLM concurrency {s.concurrency}; arrivals evenly spaced for "
         f"{s.duration_s:g} model seconds per run.",
