@@ -104,7 +104,9 @@ class LLMConfig(_Section):
     timeout_s: PositiveFloat = 60.0
     max_attempts: Positive = 4  # per call, covering transport errors and invalid replies
     memo_path: str = ""  # completion memo file; empty = in memory only
-    memo_max_entries: Annotated[int, Meta(ge=0)] = 50_000  # in memory; 0 = unbounded
+    # In memory; 0 = unbounded. Only recent calls are ever replayed (a retried or resumed
+    # window), so a few thousand keep memory flat in a long-running engine.
+    memo_max_entries: Annotated[int, Meta(ge=0)] = 4096
 
 
 class LearningConfig(_Section):

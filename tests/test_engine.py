@@ -18,9 +18,11 @@ from engine_support import (
     produce,
     wait_until_learned,
 )
+from structlog.testing import capture_logs
 
 from combee_stream.config import Config
 from combee_stream.engine.runner import Engine
+from combee_stream.kafka.topics import ensure_topics
 from combee_stream.sim import LatencyModel, SimSettings, generate_traces, sim_server
 
 
@@ -111,3 +113,29 @@ async def test_metrics_health_and_inspect(config: Config, unique: str) -> None:
     assert diff.returncode == 0, diff.stderr.decode()
     assert diff.stdout.decode().startswith("--- sim-k0 v1")
     assert "\n+[" in diff.stdout.decode()  # bullets learned after v1
+
+
+@pytest.mark.anyio
+async def test_backlog_larger_than_the_queue_pauses_partitions_and_loses_nothing(
+    config: Config, unique: str
+) -> None:
+    traces = generate_traces(240, 6, 4, seed=8)
+    expected = {k: sum(t.key == k for t in traces) for k in {t.key for t in traces}}
+    async with sim_server(SimSettings(seed=8, latency=LatencyModel(base_s=0.05))) as llm:
+        cfg = engine_config(config, unique, llm.base_url, batch_size=5)
+        cfg = msgspec.structs.replace(
+            cfg, engine=msgspec.structs.replace(cfg.engine, queue_size=20)
+        )
+        await ensure_topics(cfg.kafka)
+        await produce(cfg, traces)  # the whole backlog is there before the engine starts
+        engine = Engine(cfg)
+        with capture_logs() as logs:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(engine.run)
+                updates = await wait_until_learned(cfg, expected)
+                engine.stop()
+    result = audit(updates)
+    assert result.problems == []
+    assert set(result.learned) == {t.trace_id for t in traces}
+    assert max(result.learned.values()) == 1
+    assert any(e["event"] == "backpressure: partitions paused" for e in logs)

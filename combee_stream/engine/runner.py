@@ -53,6 +53,7 @@ from combee_stream.schemas import PromptUpdate, UpdateStats, encode, utcnow
 log = get_logger(__name__)
 
 _RETRY_S = (0.2, 0.5, 1.0, 2.0, 5.0)  # backoff while the broker is unreachable
+_MAX_POLL_RECORDS = 500  # one poll can land this many past the backpressure threshold
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -92,7 +93,7 @@ class Engine:
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             isolation_level="read_committed",
-            max_poll_records=500,
+            max_poll_records=_MAX_POLL_RECORDS,
             session_timeout_ms=kafka.session_timeout_ms,
             heartbeat_interval_ms=max(300, kafka.session_timeout_ms // 4),
         )
@@ -247,7 +248,8 @@ class Engine:
             if self._partitions.get(p) is not state:
                 continue  # revoked while restoring
             state.restored.set()
-            self._consumer.resume(TopicPartition(topic, p))
+            if not self._paused_for_backpressure:  # else _backpressure resumes it later
+                self._consumer.resume(TopicPartition(topic, p))
             self.metrics.ready = True
             log.info("partition restored", partition=p, keys=len(state.restored_updates))
 
@@ -288,6 +290,8 @@ class Engine:
     def _backpressure(self, queue_size: int) -> None:
         topic = self.config.kafka.traces_topic
         owned = [TopicPartition(topic, p) for p, s in self._partitions.items() if s.owned]
+        if self._paused_for_backpressure:
+            self._consumer.pause(*owned)  # idempotent; covers partitions assigned meanwhile
         if not self._paused_for_backpressure and self._buffered >= queue_size:
             self._consumer.pause(*owned)
             self._paused_for_backpressure = True
@@ -331,7 +335,10 @@ class Engine:
         if restored is not None:
             state.restore(restored)
         self._keys[key] = state
-        send, recv = anyio.create_memory_object_stream[Pending](self.config.engine.queue_size)
+        # Room for everything buffered engine-wide: pausing bounds the total, not one key.
+        send, recv = anyio.create_memory_object_stream[Pending](
+            self.config.engine.queue_size + _MAX_POLL_RECORDS
+        )
         self._inboxes[key] = send
         worker = KeyWorker(state, self._learner, self, recv, self.config.engine)
         self._workers[key] = worker
