@@ -230,19 +230,29 @@ async def test_bad_records_go_to_dlq_with_reasons_and_good_ones_flow(
     await consumer.start()
     await dlq_producer.start()
     seen: list[Trace] = []
+    all_good = anyio.Event()
+
+    async def run_ingest() -> None:
+        async for item in ing.ingest(consumer, dlq_producer, cfg.dlq_topic):
+            assert item.source.trace_id == item.trace.trace_id
+            seen.append(item.trace)
+            if len(seen) == len(good):
+                all_good.set()
+
     try:
-        with anyio.fail_after(60):
-            async for item in ing.ingest(consumer, dlq_producer, cfg.dlq_topic):
-                seen.append(item.trace)
-                assert item.source.trace_id == item.trace.trace_id
-                if len(seen) == len(good):
-                    break
+        # Ingest keeps running while the DLQ is read: the bad records sit in several
+        # partitions and may be reached after the last good one.
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_ingest)
+            dead = await consume_all(cfg, cfg.dlq_topic, len(bad_positions), wait_s=60)
+            with anyio.fail_after(60):
+                await all_good.wait()
+            tg.cancel_scope.cancel()
     finally:
         await consumer.stop()
         await dlq_producer.stop()
 
     assert sorted(t.trace_id for t in seen) == sorted(t.trace_id for t in good)
-    dead = await consume_all(cfg, cfg.dlq_topic, len(bad_positions))
     assert len(dead) == len(bad_positions)
     for record in dead:
         headers = {k: v.decode() for k, v in record.headers}  # type: ignore[attr-defined]
