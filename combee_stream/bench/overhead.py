@@ -67,10 +67,7 @@ def overhead_settings(*, quick: bool = False, seed: int = 0) -> OverheadSettings
         batch_size=40,
         concurrency=16,
         queue_size=1000,
-        # One partition until the engine's restorer stops resuming partitions that backpressure
-        # paused (runner.py, Engine._restorer): with several partitions and a backlog larger
-        # than queue_size, the intake is then unbounded and a key's inbox overflows (WouldBlock).
-        partitions=1,
+        partitions=3,
         seed=seed,
     )
 
