@@ -32,7 +32,7 @@ from combee_stream.kafka.broker import start_broker, stop_broker
 from combee_stream.kafka.ingest import H_ERROR, H_OFFSET, H_PARTITION, H_STAGE
 from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.topics import ensure_topics
-from combee_stream.schemas import PromptUpdate, Trace
+from combee_stream.schemas import PromptUpdate, Trace, decode
 from combee_stream.sim import FaultModel, LatencyModel, SimSettings, generate_traces, sim_server
 from combee_stream.sim.server import SimServer
 
@@ -279,3 +279,41 @@ async def committed_offsets(cfg: Config) -> dict[int, int]:
         return out
     finally:
         await consumer.stop()
+
+
+@pytest.mark.anyio
+async def test_trace_whose_reflection_keeps_failing_is_parked_whole(
+    config: Config, unique: str
+) -> None:
+    traces = generate_traces(8, 1, 4, seed=2)
+    # every reflector request fails (500) more times than the client and engine will try
+    faults = FaultModel(rate_500=1.0, max_faults_per_request=10)
+    async with sim_server(SimSettings(seed=2, faults=faults)) as llm:
+        cfg = engine_config(config, unique, llm.base_url, batch_size=4)
+        cfg = msgspec.structs.replace(
+            cfg,
+            llm=msgspec.structs.replace(cfg.llm, max_attempts=2),
+            engine=msgspec.structs.replace(cfg.engine, max_trace_attempts=2),
+        )
+        engine = Engine(cfg)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.run)
+            await engine.started.wait()
+            await produce(cfg, traces)
+
+            async def all_parked() -> bool:
+                return len(await read_dlq(cfg)) >= len(traces)
+
+            await wait_for(all_parked, 60)
+            engine.stop()
+    dead = await read_dlq(cfg)
+    parked = {decode(r.value, Trace).trace_id: decode(r.value, Trace) for r in dead}
+    assert len(dead) == len(traces)
+    assert parked == {t.trace_id: t for t in traces}  # each whole trace, once
+    for record in dead:
+        headers = {k: v.decode() for k, v in record.headers}
+        assert headers[H_STAGE] == "reflect"
+        assert "500" in headers[H_ERROR]
+    assert await read_updates(cfg) == []  # nothing learned, nothing published
+    committed = await committed_offsets(cfg)
+    assert sum(committed.values()) == len(traces)  # parked traces count as done

@@ -80,7 +80,9 @@ class Sink(Protocol):
         """Publish a learned window; False when the partition is no longer owned."""
         ...
 
-    async def park(self, state: KeyState, failed: Sequence[FailedTrace], stage: str) -> None:
+    async def park(
+        self, state: KeyState, failed: Sequence[tuple[FailedTrace, Trace]], stage: str
+    ) -> None:
         """Send traces that could not be learned to the DLQ and mark them done."""
         ...
 
@@ -152,6 +154,13 @@ class KeyWorker:
                 self._previous_published = published
                 window = None
 
+    @staticmethod
+    def _with_traces(
+        window: Window, failed: Sequence[FailedTrace]
+    ) -> list[tuple[FailedTrace, Trace]]:
+        traces = {item.source: item.trace for item in window.items}
+        return [(f, traces[f.source]) for f in failed]
+
     def _pending(self, window: Window | None) -> int:
         queued = self._inbox.statistics().current_buffer_used
         return queued + (len(window.items) if window is not None else 0)
@@ -179,7 +188,9 @@ class KeyWorker:
         try:
             await window.reflections_done.wait()
             if window.failed:
-                await self._sink.park(self.state, window.failed, "reflect")
+                await self._sink.park(
+                    self.state, self._with_traces(window, window.failed), "reflect"
+                )
             if window.reflected:
                 await self._reduce_and_publish(window, previous)
             else:
@@ -213,7 +224,7 @@ class KeyWorker:
                 FailedTrace(source=r.reflection.source, reason=f"curation failed: {error}")
                 for r in window.reflected
             ]
-            await self._sink.park(self.state, failed, "curate")
+            await self._sink.park(self.state, self._with_traces(window, failed), "curate")
             return
         # Rebased onto the newest version when an earlier window was published meanwhile.
         result = await self._learner.commit(proposal, self.state.playbook)

@@ -48,7 +48,7 @@ from combee_stream.kafka.producer import make_producer
 from combee_stream.kafka.subscriber import PromptSubscriber
 from combee_stream.kafka.topics import ensure_topics
 from combee_stream.logs import get_logger
-from combee_stream.schemas import PromptUpdate, UpdateStats, encode, utcnow
+from combee_stream.schemas import PromptUpdate, Trace, UpdateStats, encode, utcnow
 
 log = get_logger(__name__)
 
@@ -363,25 +363,26 @@ class Engine:
 
     # ------------------------------------------------------------------ Sink (key workers)
 
-    async def park(self, state: KeyState, failed: Sequence[FailedTrace], stage: str) -> None:
+    async def park(
+        self, state: KeyState, failed: Sequence[tuple[FailedTrace, Trace]], stage: str
+    ) -> None:
         part = self._partitions.get(state.partition)
-        by_id = {}
-        for f in failed:
-            by_id[f.source.offset] = f
-        for f in failed:
+        if part is None or not part.owned:
+            return  # revoked: the partition's next owner reads these traces again
+        for failure, trace in failed:
+            # The original trace, byte for byte as the engine reads it, so it can be replayed.
             letter = DeadLetter(
-                reason=f.reason,
+                reason=failure.reason,
                 stage=stage,
                 topic=self.config.kafka.traces_topic,
-                partition=f.source.partition,
-                offset=f.source.offset,
+                partition=failure.source.partition,
+                offset=failure.source.offset,
                 key=state.key.encode(),
-                value=None,
+                value=encode(trace),
             )
             await self._dead_letter(letter)
             self._buffered -= 1
-            if part is not None:
-                part.offsets.done(f.source.offset)
+            part.offsets.done(failure.source.offset)
 
     async def publish(self, state: KeyState, window: Window, result: WindowResult) -> bool:
         part = self._partitions.get(state.partition)
