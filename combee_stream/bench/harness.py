@@ -13,13 +13,14 @@ from typing import Any
 
 import anyio
 import msgspec
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
 from combee_stream.config import Config, KafkaConfig, RoleConfig
 from combee_stream.errors import UserError
 from combee_stream.kafka.broker import start_broker
-from combee_stream.kafka.client import client_kwargs, partitions_of
+from combee_stream.kafka.client import client_kwargs
+from combee_stream.kafka.reader import read_to_end
 from combee_stream.logs import get_logger
 from combee_stream.schemas import PromptUpdate, Trace, decode, encode
 from combee_stream.sim import SimSettings
@@ -177,22 +178,8 @@ async def delete_topics(kafka: KafkaConfig) -> None:
 
 async def read_updates(kafka: KafkaConfig) -> list[PromptUpdate]:
     """Every PromptUpdate on the prompts topic (the run's own topic: not compacted away yet)."""
-    consumer = AIOKafkaConsumer(**client_kwargs(kafka), group_id=None, enable_auto_commit=False)
-    await consumer.start()
-    updates: list[PromptUpdate] = []
-    try:
-        topic = kafka.prompts_topic
-        tps = [TopicPartition(topic, p) for p in sorted(await partitions_of(consumer, topic))]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        end = await consumer.end_offsets(tps)
-        for tp in tps:
-            while await consumer.position(tp) < end[tp]:
-                for records in (await consumer.getmany(tp, timeout_ms=500)).values():
-                    updates.extend(decode(r.value, PromptUpdate) for r in records)
-    finally:
-        await consumer.stop()
-    return updates
+    records = await read_to_end(kafka, kafka.prompts_topic)
+    return [decode(r.value, PromptUpdate) for r in records]
 
 
 def metric_total(metric: Any, suffix: str = "") -> float:
