@@ -59,6 +59,9 @@ class EngineMetrics:
             registry=r,
         )
         self.buffered = Gauge("combee_buffered_traces", "Traces read, not yet done", registry=r)
+        self.backpressure_pauses = Counter(
+            "combee_backpressure_pauses", "Times intake paused at engine.queue_size", registry=r
+        )
         self.llm_calls = Gauge("combee_llm_calls", "LLM calls", ["role"], registry=r)
         self.llm_tokens = Gauge(
             "combee_llm_tokens", "LLM tokens", ["role", "direction"], registry=r

@@ -295,6 +295,7 @@ class Engine:
         if not self._paused_for_backpressure and self._buffered >= queue_size:
             self._consumer.pause(*owned)
             self._paused_for_backpressure = True
+            self.metrics.backpressure_pauses.inc()
             log.info("backpressure: partitions paused", buffered=self._buffered)
         elif self._paused_for_backpressure and self._buffered < queue_size // 2:
             restored = [tp for tp in owned if self._partitions[tp.partition].restored.is_set()]
