@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 
 from combee_stream.config import BrokerConfig, Config, load_config
 from combee_stream.kafka.broker import broker_status
@@ -115,3 +116,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "kafka_bootstrap" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.kafka)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_logging() -> Iterator[None]:
+    """Tests that run the CLI in process configure logging globally; undo it after each test."""
+    yield
+    structlog.reset_defaults()
