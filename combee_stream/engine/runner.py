@@ -104,7 +104,6 @@ class Engine:
         self._inboxes: dict[str, MemoryObjectSendStream[Pending]] = {}
         self._workers: dict[str, KeyWorker] = {}
         self._generation = 0
-        self._buffered = 0
         self._paused_for_backpressure = False
         self._restore_send, self._restore_recv = anyio.create_memory_object_stream[int](1000)
         self._tg: TaskGroup | None = None
@@ -219,7 +218,6 @@ class Engine:
                 self._workers.pop(key, None)
                 inbox = self._inboxes.pop(key, None)
                 if inbox is not None:
-                    self._buffered -= inbox.statistics().current_buffer_used
                     inbox.close()
             producer = self._txn_producers.pop(p, None)
             if producer is not None and self._tg is not None:
@@ -287,6 +285,12 @@ class Engine:
                     await self._route(state, record)
             self._backpressure(queue_size)
 
+    @property
+    def _buffered(self) -> int:
+        """Traces read and not yet done (learned and published, parked or skipped) in the
+        partitions this instance owns: what intake must bound."""
+        return sum(part.offsets.pending for part in self._partitions.values())
+
     def _backpressure(self, queue_size: int) -> None:
         topic = self.config.kafka.traces_topic
         owned = [TopicPartition(topic, p) for p, s in self._partitions.items() if s.owned]
@@ -321,7 +325,6 @@ class Engine:
             self.metrics.traces_skipped.inc()
             part.offsets.done(record.offset)
             return
-        self._buffered += 1
         self._inboxes[key].send_nowait(Pending(item.trace, item.source, anyio.current_time()))
 
     def _new_key(self, key: str, part: PartitionState) -> KeyState:
@@ -382,7 +385,6 @@ class Engine:
                 value=encode(trace),
             )
             await self._dead_letter(letter)
-            self._buffered -= 1
             part.offsets.done(failure.source.offset)
 
     async def publish(self, state: KeyState, window: Window, result: WindowResult) -> bool:
@@ -435,7 +437,6 @@ class Engine:
         state.playbook = update.playbook
         state.watermark = watermark.get(state.partition, -1)
         state.traces_learned = update.stats.traces_learned
-        self._buffered -= len(learned)
         self._observe(state, window, update, now)
         return True
 
