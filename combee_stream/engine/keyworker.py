@@ -168,6 +168,10 @@ class KeyWorker:
     async def _reflect(self, window: Window, item: Pending) -> None:
         """Reflect against the key's newest playbook; after ``max_trace_attempts`` failed
         calls (each already retried by the LLM client) the trace is parked, not dropped."""
+        # This task's own context copy: its log lines (LLM retries included) name the trace.
+        structlog.contextvars.bind_contextvars(
+            window=window.number, trace_id=item.trace.trace_id, offset=item.source.offset
+        )
         try:
             for _ in range(self._cfg.max_trace_attempts):
                 outcome = await self._learner.reflect(
