@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import structlog
+from broker_support import broker_command
 
 from combee_stream.config import BrokerConfig, Config, load_config
 from combee_stream.kafka.broker import broker_status
@@ -33,24 +33,6 @@ def _test_broker() -> BrokerConfig:
     return BrokerConfig(
         port=port, controller_port=controller, state_dir=str(REPO / ".state" / "kafka-test")
     )
-
-
-def _broker_command(action: str, broker: BrokerConfig) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "combee_stream",
-        "--log-level",
-        "warning",
-        "kafka",
-        action,
-        "--port",
-        str(broker.port),
-        "--controller-port",
-        str(broker.controller_port),
-        "--state-dir",
-        broker.state_dir,
-    ]
 
 
 def _in_ci() -> bool:
@@ -71,7 +53,7 @@ def kafka_bootstrap(kafka_broker: BrokerConfig) -> Iterator[str]:
         yield found.state.bootstrap
         return
     started = subprocess.run(
-        _broker_command("start", kafka_broker),
+        broker_command("start", kafka_broker),
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -89,7 +71,7 @@ def kafka_bootstrap(kafka_broker: BrokerConfig) -> Iterator[str]:
     try:
         yield started.stdout.strip()
     finally:
-        subprocess.run(_broker_command("stop", kafka_broker), cwd=REPO, check=False, timeout=60)
+        subprocess.run(broker_command("stop", kafka_broker), cwd=REPO, check=False, timeout=60)
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ def engine_config(
     batch_size: int | str = 10,
     guarantee: str = "at_least_once_watermark",
     max_wait_s: float = 0.5,
+    session_timeout_ms: int | None = None,
 ) -> Config:
     kafka = msgspec.structs.replace(
         config.kafka,
@@ -41,6 +42,7 @@ def engine_config(
         dlq_topic=f"e.dlq.{unique}",
         group_id=f"e.group.{unique}",
         partitions=partitions,
+        session_timeout_ms=session_timeout_ms or config.kafka.session_timeout_ms,
     )
     role = RoleConfig(base_url=llm_url, model="sim")
     llm = msgspec.structs.replace(

@@ -15,6 +15,7 @@ import msgspec
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from broker_support import broker_command
 
 from combee_stream.config import BrokerConfig
 from combee_stream.kafka.broker import (
@@ -35,21 +36,7 @@ def anyio_backend() -> str:
 
 def _cli(action: str, broker: BrokerConfig) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "combee_stream",
-            "--log-level",
-            "warning",
-            "kafka",
-            action,
-            "--port",
-            str(broker.port),
-            "--controller-port",
-            str(broker.controller_port),
-            "--state-dir",
-            broker.state_dir,
-        ],
+        broker_command(action, broker),
         capture_output=True,
         text=True,
         cwd=REPO,

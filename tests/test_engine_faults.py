@@ -76,9 +76,13 @@ async def test_sigkill_mid_reflect_mid_tree_and_after_publish(
     traces = generate_traces(90, 3, 6, seed=11)
     settings = SimSettings(seed=11, latency=LatencyModel(base_s=0.4))
     async with sim_server(settings) as llm:
-        cfg = engine_config(config, unique, llm.base_url, batch_size=10, guarantee=guarantee)
-        cfg = msgspec.structs.replace(
-            cfg, kafka=msgspec.structs.replace(cfg.kafka, session_timeout_ms=3000)
+        cfg = engine_config(
+            config,
+            unique,
+            llm.base_url,
+            batch_size=10,
+            guarantee=guarantee,
+            session_timeout_ms=3000,
         )
         await ensure_topics(cfg.kafka)
         log = tmp_path / "engine.log"
@@ -134,10 +138,7 @@ async def test_two_instances_one_killed_survivor_finishes(
     traces = generate_traces(120, 6, 4, seed=5)
     settings = SimSettings(seed=5, latency=LatencyModel(base_s=0.3))
     async with sim_server(settings) as llm:
-        cfg = engine_config(config, unique, llm.base_url, batch_size=5)
-        cfg = msgspec.structs.replace(
-            cfg, kafka=msgspec.structs.replace(cfg.kafka, session_timeout_ms=3000)
-        )
+        cfg = engine_config(config, unique, llm.base_url, batch_size=5, session_timeout_ms=3000)
         await ensure_topics(cfg.kafka)
         a = spawn_engine(cfg, tmp_path / "a.log")
         b = spawn_engine(cfg, tmp_path / "b.log")
