@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import anyio
 
-from combee_stream.config import ConfigError, load_config
-from combee_stream.errors import UserError
+from combee_stream.config import load_config
+from combee_stream.errors import CombeeError, ConfigError, EngineHalted, UserError
 from combee_stream.logs import configure_logging
 
 # Modules that contribute subcommands, in help order.
@@ -24,7 +24,8 @@ _COMMAND_MODULES = (
     "combee_stream.kafka.commands",
     "combee_stream.schema_cli",
     "combee_stream.sim.cli",
-    "combee_stream.learn",
+    "combee_stream.prompts_cli",
+    "combee_stream.offline.cli",
     "combee_stream.engine.cli",
     "combee_stream.bench.cli",
     "combee_stream.demo",
@@ -69,4 +70,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, UserError) as exc:
         print(f"combee-stream: {exc}", file=sys.stderr)
         return 2
+    except EngineHalted as exc:
+        print(f"combee-stream: engine halted: {exc}", file=sys.stderr)
+        return 1
+    except CombeeError as exc:
+        print(f"combee-stream: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     return int(result or 0)
+
+
+__all__ = ["build_parser", "main"]

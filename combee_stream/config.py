@@ -18,15 +18,13 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct, field
 
+from combee_stream.errors import ConfigError
+
 ENV_PREFIX = "COMBEE__"
 
 Port = Annotated[int, Meta(ge=1, le=65535)]
 Positive = Annotated[int, Meta(ge=1)]
 PositiveFloat = Annotated[float, Meta(gt=0)]
-
-
-class ConfigError(ValueError):
-    """A configuration file or override is invalid."""
 
 
 class _Section(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -42,6 +40,12 @@ class KafkaConfig(_Section):
     dlq_topic: str = "combee.dlq"
     partitions: Positive = 3
     replication_factor: Positive = 1
+    # How records of the traces topic are decoded (combee_stream.formats); "native" is the
+    # Trace JSON this package writes.
+    traces_format: Literal["native"] = "native"
+    # Bound on one produce or metadata request: how long one write attempt can take while the
+    # broker is unreachable before the engine's retry policy takes over.
+    request_timeout_ms: Annotated[int, Meta(ge=1000)] = 30_000
     # A crashed instance keeps its partitions until this expires (broker bounds apply).
     session_timeout_ms: Annotated[int, Meta(ge=1000)] = 10_000
     # Extra per-topic configs for the prompts topic (always compacted). Fast compaction for
@@ -118,6 +122,9 @@ class LearningConfig(_Section):
     fan_in: Annotated[int, Meta(ge=0)] = 0  # 0 = k = floor(sqrt(n)) groups
     combine: Literal["union", "llm"] = "union"
     token_budget: Positive = 80_000
+    # Tries of a trace's reflection, and of a window's curation, before their traces are parked
+    # in the DLQ (each try is itself retried by the LLM client, llm.max_attempts). Both drivers.
+    max_attempts: Positive = 3
     seed: int = 0
     prompts_dir: str = ""  # override prompt templates from this folder
 
@@ -136,7 +143,10 @@ class EngineConfig(_Section):
     # loop (reflect at window close, one window at a time), kept as a benchmark baseline.
     pipelined: bool = True
     queue_size: Positive = 1000
-    max_trace_attempts: Positive = 3  # LLM failures before a trace is parked in the DLQ
+    # While Kafka cannot be written (publish, DLQ) or read (restore), the engine retries with
+    # capped backoff and reports not ready; after this many seconds of continuous failure it
+    # stops with a non-zero exit, having committed nothing it did not publish. 0 = wait forever.
+    broker_deadline_s: Annotated[float, Meta(ge=0)] = 300.0
     shutdown_grace_s: PositiveFloat = 30.0
     metrics_host: str = "127.0.0.1"
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] = 9464  # 0 = no metrics server
@@ -217,3 +227,19 @@ def secret(env_name: str, env: Mapping[str, str] | None = None) -> str | None:
     """Secrets come only from the environment."""
     value = (os.environ if env is None else env).get(env_name)
     return value or None
+
+
+__all__ = [
+    "BrokerConfig",
+    "Config",
+    "ConfigError",
+    "EmbeddingsConfig",
+    "EngineConfig",
+    "KafkaConfig",
+    "LLMConfig",
+    "LearningConfig",
+    "LogConfig",
+    "RoleConfig",
+    "load_config",
+    "secret",
+]

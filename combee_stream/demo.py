@@ -15,16 +15,16 @@ import anyio
 import msgspec
 from aiokafka import AIOKafkaConsumer
 
-from combee_stream.config import Config, RoleConfig
-from combee_stream.engine.runner import Engine
+from combee_stream.config import Config
+from combee_stream.engine import Engine
 from combee_stream.kafka.broker import start_broker
 from combee_stream.kafka.client import client_kwargs
-from combee_stream.kafka.commands import seed_prompt
-from combee_stream.kafka.ingest import H_ERROR
+from combee_stream.kafka.dlq import H_ERROR
 from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.subscriber import PromptSubscriber
 from combee_stream.kafka.topics import ensure_topics
-from combee_stream.sim import LatencyModel, SimSettings, generate_traces, sim_server
+from combee_stream.prompts_cli import seed_prompt
+from combee_stream.sim import LatencyModel, SimSettings, generate_traces, sim_server, simulated_llm
 
 
 def register(sub: Any) -> None:
@@ -60,10 +60,9 @@ async def _demo(args: argparse.Namespace, config: Config) -> int:
     settings = SimSettings(seed=7, latency=LatencyModel(base_s=0.3, per_output_token_s=0.002))
     async with sim_server(settings) as llm:
         say(f"3. simulated LLM (not a real model) at {llm.base_url}")
-        role = RoleConfig(base_url=llm.base_url, model="sim")
         cfg = msgspec.structs.replace(
             cfg,
-            llm=msgspec.structs.replace(cfg.llm, reflector=role, curator=role, combiner=role),
+            llm=simulated_llm(llm.base_url, cfg.llm),
             engine=msgspec.structs.replace(cfg.engine, metrics_port=0),
         )
         say(f"4. seeding a prompt for {keys[0]}")
@@ -128,3 +127,6 @@ async def _show_dead_letter(kafka: Any) -> None:
     finally:
         await consumer.stop()
     print("   (no DLQ record seen in 30 s)", file=sys.stderr)
+
+
+__all__ = ["register"]

@@ -9,10 +9,12 @@ only: a new field always has a default, so an older record still decodes. Decodi
 from __future__ import annotations
 
 import datetime as dt
-from typing import Annotated, Any, Final, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Final, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct, field
+
+from combee_stream.errors import DecodeError, SchemaVersionError
 
 SCHEMA_VERSION: Final = 1
 
@@ -22,10 +24,6 @@ Key = Annotated[str, Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:
 NonEmpty = Annotated[str, Meta(min_length=1)]
 NonNegative = Annotated[int, Meta(ge=0)]
 BulletTagKind = Literal["helpful", "harmful", "neutral"]
-
-
-class SchemaVersionError(ValueError):
-    """A record names a schema version this build does not know."""
 
 
 class _Record(Struct, forbid_unknown_fields=True, omit_defaults=False):
@@ -163,17 +161,56 @@ class Playbook(_Record):
 # --------------------------------------------------------------------------- publishing
 
 
+class BudgetRejection(Struct, frozen=True, tag="token_budget", tag_field="kind"):
+    """The window's delta would have grown the playbook past its token budget."""
+
+    kind: ClassVar[str] = "token_budget"  # the tag on the wire
+    budget: int
+    would_be: int
+    current: int
+
+
+class GateRejection(Struct, frozen=True, tag="gate", tag_field="kind"):
+    """The publish gate (:mod:`combee_stream.core.gate`) refused the candidate playbook."""
+
+    kind: ClassVar[str] = "gate"  # the tag on the wire
+    gate: str  # which gate
+    reason: str
+
+
+Rejection = BudgetRejection | GateRejection
+
+
 class UpdateStats(Struct, forbid_unknown_fields=True):
-    traces_learned: NonNegative = 0  # cumulative distinct traces this key's playbook learned from
+    """What one version learned and what its window cost.
+
+    Built in one place (:mod:`combee_stream.core.versions`) for every driver (the engine,
+    offline ``learn``, ``prompts set``), so each field means the same thing wherever the version
+    was written. Driver-specific by nature: ``delay_s`` (a wall time) and, on the update, the
+    ``watermark`` (offline learning reads no offsets) and ``created_at``.
+    """
+
+    # Cumulative distinct traces the key's chain has learned, this version included.
+    traces_learned: NonNegative = 0
+    # Traces this version learned (``len(trace_ids)``); 0 for an operator's re-seed.
     window_traces: NonNegative = 0
-    trace_ids: list[str] = []  # the traces this version learned (its window)
-    strategy: str = ""
+    trace_ids: list[str] = []  # the traces this version learned, sorted by source
+    strategy: str = ""  # sequential | naive | combee; "" for an operator's re-seed
+    # The size the batch-size policy chose for the window; the window itself may close short
+    # (max wait, end of input) or lose traces whose reflection failed (see window_traces).
     batch_size: NonNegative = 0
-    llm_calls: NonNegative = 0
-    tokens_in: NonNegative = 0
+    llm_calls: NonNegative = 0  # LLM requests the window sent (memo hits excluded)
+    cached_calls: NonNegative = 0  # calls of the window answered from the completion memo
+    tokens_in: NonNegative = 0  # tokens paid by the window (0 for memo hits)
     tokens_out: NonNegative = 0
+    # Wall seconds from the window's close (all its traces in hand) to its version being built:
+    # what the batch-size controller minimises. Driver-specific.
     delay_s: float = 0.0
-    rejected: str | None = None  # structured reason when a delta was refused (e.g. token budget)
+    # Legacy (JSON text of a budget rejection, written by early builds); read, never written.
+    rejected: str | None = None
+    # Why the window's proposed delta was not applied; None when it was. Its traces are still
+    # learned (listed in trace_ids), so they are never learned again.
+    rejection: Rejection | None = None
 
 
 class PromptUpdate(_Record):
@@ -198,14 +235,6 @@ class PromptUpdate(_Record):
 
 T = TypeVar("T")
 _encoder = msgspec.json.Encoder()
-
-
-class DecodeError(ValueError):
-    """A record failed to decode or validate. ``reason`` is a one-line, field-naming message."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 def encode(record: Any) -> bytes:
@@ -233,16 +262,20 @@ def utcnow() -> dt.datetime:
 __all__ = [
     "SCHEMA_VERSION",
     "AddOp",
+    "BudgetRejection",
     "Bullet",
     "BulletTag",
     "DecodeError",
     "Delta",
     "Feedback",
+    "GateRejection",
     "Operation",
     "Playbook",
     "PromptUpdate",
     "Reflection",
+    "Rejection",
     "RemoveOp",
+    "SchemaVersionError",
     "Section",
     "Source",
     "Step",
@@ -252,4 +285,5 @@ __all__ = [
     "decode",
     "encode",
     "json_schema",
+    "utcnow",
 ]

@@ -15,10 +15,12 @@ from typing import Any
 import anyio
 import msgspec
 
-from combee_stream.config import Config, RoleConfig
+from combee_stream.config import Config
 from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.reader import read_to_end
-from combee_stream.schemas import PromptUpdate, Trace, decode
+from combee_stream.kafka.reader import read_updates as read_topic_updates
+from combee_stream.schemas import PromptUpdate, Trace
+from combee_stream.sim import simulated_llm
 from combee_stream.sim.markers import retained_ids
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,10 +46,7 @@ def engine_config(
         partitions=partitions,
         session_timeout_ms=session_timeout_ms or config.kafka.session_timeout_ms,
     )
-    role = RoleConfig(base_url=llm_url, model="sim")
-    llm = msgspec.structs.replace(
-        config.llm, reflector=role, curator=role, combiner=role, max_attempts=6, timeout_s=5.0
-    )
+    llm = simulated_llm(llm_url, config.llm, max_attempts=6, timeout_s=5.0)
     learning = msgspec.structs.replace(
         config.learning,
         batch_size=batch_size,  # type: ignore[arg-type]
@@ -126,8 +125,7 @@ async def produce(cfg: Config, traces: list[Trace]) -> dict[str, tuple[int, int]
 
 async def read_updates(cfg: Config) -> list[PromptUpdate]:
     """Every committed PromptUpdate on the prompts topic, in topic order per partition."""
-    records = await read_to_end(cfg.kafka, cfg.kafka.prompts_topic)
-    return [decode(r.value, PromptUpdate) for r in records]
+    return await read_topic_updates(cfg.kafka, strict=True)
 
 
 async def read_dlq(cfg: Config) -> list[Any]:

@@ -20,7 +20,7 @@ from engine_support import (
 )
 
 from combee_stream.config import Config
-from combee_stream.engine.runner import Engine
+from combee_stream.engine import Engine
 from combee_stream.kafka.topics import ensure_topics
 from combee_stream.sim import LatencyModel, SimSettings, generate_traces, sim_server
 

@@ -27,9 +27,9 @@ from engine_support import (
 )
 
 from combee_stream.config import BrokerConfig, Config
-from combee_stream.engine.runner import Engine
+from combee_stream.engine import Engine
 from combee_stream.kafka.broker import start_broker, stop_broker
-from combee_stream.kafka.ingest import H_ERROR, H_OFFSET, H_PARTITION, H_STAGE
+from combee_stream.kafka.dlq import H_ERROR, H_OFFSET, H_PARTITION, H_STAGE
 from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.topics import ensure_topics
 from combee_stream.schemas import PromptUpdate, Trace, decode
@@ -294,7 +294,7 @@ async def test_trace_whose_reflection_keeps_failing_is_parked_whole(
         cfg = msgspec.structs.replace(
             cfg,
             llm=msgspec.structs.replace(cfg.llm, max_attempts=2),
-            engine=msgspec.structs.replace(cfg.engine, max_trace_attempts=2),
+            learning=msgspec.structs.replace(cfg.learning, max_attempts=2),
         )
         engine = Engine(cfg)
         async with anyio.create_task_group() as tg:

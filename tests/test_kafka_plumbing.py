@@ -17,12 +17,13 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from combee_stream.config import Config, KafkaConfig
 from combee_stream.errors import UserError
+from combee_stream.kafka import dlq
 from combee_stream.kafka import ingest as ing
-from combee_stream.kafka.commands import seed_prompt
 from combee_stream.kafka.producer import TraceProducer, make_producer, publish_update
 from combee_stream.kafka.reader import read_to_end
 from combee_stream.kafka.subscriber import PromptSubscriber
 from combee_stream.kafka.topics import TopicMismatchError, ensure_topics
+from combee_stream.prompts_cli import seed_prompt
 from combee_stream.schemas import (
     AddOp,
     Bullet,
@@ -256,12 +257,12 @@ async def test_bad_records_go_to_dlq_with_reasons_and_good_ones_flow(
     assert len(dead) == len(bad_positions)
     for record in dead:
         headers = {k: v.decode() for k, v in record.headers}  # type: ignore[attr-defined]
-        position = (int(headers[ing.H_PARTITION]), int(headers[ing.H_OFFSET]))
+        position = (int(headers[dlq.H_PARTITION]), int(headers[dlq.H_OFFSET]))
         assert position in bad_positions, headers
-        assert bad_positions.pop(position) in headers[ing.H_ERROR]
-        assert headers[ing.H_TOPIC] == cfg.traces_topic
-        assert headers[ing.H_STAGE] == "decode"
-        assert headers[ing.H_SCHEMA] == "1"
+        assert bad_positions.pop(position) in headers[dlq.H_ERROR]
+        assert headers[dlq.H_TOPIC] == cfg.traces_topic
+        assert headers[dlq.H_STAGE] == "decode"
+        assert headers[dlq.H_SCHEMA] == "1"
     assert bad_positions == {}
 
 

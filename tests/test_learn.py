@@ -23,8 +23,8 @@ from combee_stream.core.learner import Learner
 from combee_stream.core.playbook import new_playbook
 from combee_stream.core.prompts import load_prompts
 from combee_stream.errors import UserError
-from combee_stream.learn import LearnReport, run_learn
-from combee_stream.schemas import PromptUpdate, Source, Trace, decode, encode
+from combee_stream.offline import LearnReport, run_learn
+from combee_stream.schemas import BudgetRejection, PromptUpdate, Source, Trace, decode, encode
 from combee_stream.sim import (
     FaultModel,
     LatencyModel,
@@ -351,10 +351,10 @@ def test_token_budget_rejection_is_recorded_and_traces_still_learned_once(
     updates = check_history(out, traces)
     assert report.rejected_windows == 2
     for update in updates:
-        assert update.stats.rejected is not None
-        reason = json.loads(update.stats.rejected)
-        assert reason["kind"] == "token_budget" and reason["budget"] == budget
-        assert reason["would_be"] > budget
+        reason = update.stats.rejection
+        assert isinstance(reason, BudgetRejection) and reason.budget == budget
+        assert reason.would_be > budget
+        assert update.stats.rejected is None  # the legacy JSON text is no longer written
     assert all(not s.bullets for s in load_playbooks(out)["sim-k0"].sections)
 
 

@@ -24,7 +24,6 @@ from combee_stream.core.llm import (
     LLMCallError,
     LLMClient,
     MissingEndpointError,
-    RetryPolicy,
     Role,
     bound_schema,
     decode_reply,
@@ -34,6 +33,7 @@ from combee_stream.core.llm import (
 from combee_stream.core.memo import CompletionMemo, MemoEntry
 from combee_stream.core.outputs import CuratorOutput, ReflectorOutput
 from combee_stream.errors import UserError
+from combee_stream.retry import RetryPolicy
 from combee_stream.schemas import AddOp
 from combee_stream.sim.server import SimServer, sim_server
 from combee_stream.sim.settings import FaultModel, SimSettings

@@ -1,5 +1,6 @@
 """Shared plumbing of the Kafka suites: broker, fresh topics, the simulator in its own process,
-an engine config pointed at both, bulk producing, and reading the engine's metrics."""
+an engine config pointed at both, the engine running in a task group, bulk producing, and
+reading the engine's metrics."""
 
 from __future__ import annotations
 
@@ -12,18 +13,21 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import anyio
+import httpx2
 import msgspec
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
-from combee_stream.config import Config, KafkaConfig, RoleConfig
+from combee_stream.config import Config, KafkaConfig
+from combee_stream.core.llm import LLMClient
+from combee_stream.engine import Engine
 from combee_stream.errors import UserError
 from combee_stream.kafka.broker import start_broker
 from combee_stream.kafka.client import client_kwargs
-from combee_stream.kafka.reader import read_to_end
+from combee_stream.kafka.reader import read_updates as read_topic_updates
 from combee_stream.logs import get_logger
-from combee_stream.schemas import PromptUpdate, Trace, decode, encode
-from combee_stream.sim import SimSettings
+from combee_stream.schemas import PromptUpdate, Trace, encode
+from combee_stream.sim import SimSettings, simulated_llm
 
 log = get_logger(__name__)
 
@@ -61,17 +65,13 @@ def engine_config(
     max_wait_s: float,
     pipelined: bool = True,
     timeout_s: float = 60.0,
+    queue_size: int | None = None,
+    seed: int | None = None,
 ) -> Config:
-    """``config`` with every LLM role on ``llm_url`` and a fixed batch size (no controller)."""
-    role = RoleConfig(base_url=llm_url, model="sim-llm")
-    llm = msgspec.structs.replace(
-        config.llm,
-        reflector=role,
-        curator=role,
-        combiner=role,
-        concurrency=concurrency,
-        timeout_s=timeout_s,
-        memo_path="",
+    """``config`` with every LLM role on ``llm_url`` (the simulator) and a fixed batch size (no
+    controller): the engine setup every Kafka suite measures."""
+    llm = simulated_llm(
+        llm_url, config.llm, concurrency=concurrency, timeout_s=timeout_s, memo_path=""
     )
     learning = msgspec.structs.replace(
         config.learning,
@@ -79,11 +79,34 @@ def engine_config(
         batch_size=batch_size,
         min_batch_size=batch_size,
         max_batch_size=batch_size,
+        seed=config.learning.seed if seed is None else seed,
     )
     engine = msgspec.structs.replace(
-        config.engine, max_wait_s=max_wait_s, pipelined=pipelined, metrics_port=0
+        config.engine,
+        max_wait_s=max_wait_s,
+        pipelined=pipelined,
+        metrics_port=0,
+        queue_size=queue_size or config.engine.queue_size,
     )
     return msgspec.structs.replace(config, llm=llm, learning=learning, engine=engine)
+
+
+@contextlib.asynccontextmanager
+async def running_engine(
+    config: Config, *, http_client: httpx2.AsyncClient | None = None
+) -> AsyncIterator[tuple[Engine, LLMClient]]:
+    """The engine of ``config`` running in a task group with its own LLM client, started; on
+    exit it is stopped (drained, committed, closed) and the client closed."""
+    client = LLMClient(config.llm, http_client=http_client, env={})
+    try:
+        engine = Engine(config, llm=client)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.run)
+            await engine.started.wait()
+            yield engine, client
+            engine.stop()
+    finally:
+        await client.aclose()
 
 
 def _free_port() -> int:
@@ -178,8 +201,7 @@ async def delete_topics(kafka: KafkaConfig) -> None:
 
 async def read_updates(kafka: KafkaConfig) -> list[PromptUpdate]:
     """Every PromptUpdate on the prompts topic (the run's own topic: not compacted away yet)."""
-    records = await read_to_end(kafka, kafka.prompts_topic)
-    return [decode(r.value, PromptUpdate) for r in records]
+    return await read_topic_updates(kafka, strict=True)
 
 
 def metric_total(metric: Any, suffix: str = "") -> float:

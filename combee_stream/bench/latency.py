@@ -25,6 +25,7 @@ from combee_stream.bench.harness import (
     engine_config,
     fresh_topics,
     read_updates,
+    running_engine,
     sim_process,
     watch_engine,
     with_broker,
@@ -32,8 +33,7 @@ from combee_stream.bench.harness import (
 from combee_stream.bench.report import Target, describe_latency, document, percentile, table
 from combee_stream.bench.scaling import DEFAULT_LATENCY
 from combee_stream.config import Config
-from combee_stream.core.llm import LLMClient
-from combee_stream.engine.runner import Engine
+from combee_stream.engine import Engine
 from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.topics import ensure_topics
 from combee_stream.sim import LatencyModel, SimSettings, generate_traces
@@ -141,25 +141,17 @@ async def _one(
                 max_wait_s=s.max_wait_s / scale,
                 pipelined=mode == "pipelined",
             )
-            client = LLMClient(ecfg.llm, env={})
-            engine = Engine(ecfg, llm=client)
-            try:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(engine.run)
-                    await engine.started.wait()
-                    await _wait_ready(engine)
-                    async with TraceProducer(cfg.kafka) as producer:
-                        start = anyio.current_time()
-                        gap = 1.0 / (rate * scale)
-                        for i, trace in enumerate(traces):
-                            await anyio.sleep_until(start + i * gap)
-                            sent_at[trace.trace_id] = time.time()
-                            await producer.send(trace)
-                    limit = 120 + 20 * total / rate / scale
-                    await watch_engine(engine.metrics, total, limit, every_s=0.05)
-                    engine.stop()
-            finally:
-                await client.aclose()
+            async with running_engine(ecfg) as (engine, _):
+                await _wait_ready(engine)
+                async with TraceProducer(cfg.kafka) as producer:
+                    start = anyio.current_time()
+                    gap = 1.0 / (rate * scale)
+                    for i, trace in enumerate(traces):
+                        await anyio.sleep_until(start + i * gap)
+                        sent_at[trace.trace_id] = time.time()
+                        await producer.send(trace)
+                limit = 120 + 20 * total / rate / scale
+                await watch_engine(engine.metrics, total, limit, every_s=0.05)
         updates = [u for u in await read_updates(cfg.kafka) if u.created_at is not None]
     finally:
         await delete_topics(cfg.kafka)

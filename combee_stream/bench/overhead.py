@@ -18,13 +18,19 @@ import anyio
 import msgspec
 from msgspec import Struct
 
-from combee_stream.bench.harness import delete_topics, fresh_topics, produce_bulk, with_broker
+from combee_stream.bench.harness import (
+    delete_topics,
+    engine_config,
+    fresh_topics,
+    produce_bulk,
+    with_broker,
+)
 from combee_stream.bench.report import Target, document, table
 from combee_stream.bench.worker import WorkerJob, WorkerResult
 from combee_stream.config import Config
 from combee_stream.errors import UserError
 from combee_stream.kafka.topics import ensure_topics
-from combee_stream.sim import LatencyModel, generate_traces
+from combee_stream.sim import IN_PROCESS_BASE_URL, LatencyModel, generate_traces
 
 
 class OverheadSettings(Struct, kw_only=True):
@@ -105,20 +111,15 @@ async def run_overhead(config: Config, settings: OverheadSettings) -> OverheadRe
     rows: list[OverheadRow] = []
     for backlog in settings.backlogs:
         cfg = fresh_topics(config, "overhead", settings.partitions)
-        cfg = msgspec.structs.replace(
+        # The simulator runs inside the engine's worker process, at zero latency.
+        cfg = engine_config(
             cfg,
-            learning=msgspec.structs.replace(
-                cfg.learning,
-                strategy="combee",
-                batch_size=settings.batch_size,
-                min_batch_size=settings.batch_size,
-                max_batch_size=settings.batch_size,
-                seed=settings.seed,
-            ),
-            llm=msgspec.structs.replace(cfg.llm, concurrency=settings.concurrency),
-            engine=msgspec.structs.replace(
-                cfg.engine, metrics_port=0, queue_size=settings.queue_size
-            ),
+            IN_PROCESS_BASE_URL,
+            concurrency=settings.concurrency,
+            batch_size=settings.batch_size,
+            max_wait_s=cfg.engine.max_wait_s,
+            queue_size=settings.queue_size,
+            seed=settings.seed,
         )
         await ensure_topics(cfg.kafka)
         try:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import time
 
-import anyio
 from msgspec import Struct
 
 from combee_stream.bench.harness import (
@@ -28,14 +27,13 @@ from combee_stream.bench.harness import (
     engine_config,
     fresh_topics,
     produce_bulk,
+    running_engine,
     sim_process,
     watch_engine,
     with_broker,
 )
 from combee_stream.bench.report import Target, document, table
 from combee_stream.config import Config
-from combee_stream.core.llm import LLMClient
-from combee_stream.engine.runner import Engine
 from combee_stream.kafka.topics import ensure_topics
 from combee_stream.sim import LatencyModel, SimSettings, generate_traces
 
@@ -126,20 +124,12 @@ async def _one(
                 batch_size=s.batch_size,
                 max_wait_s=latency_s / scale,  # only the last, partial windows wait for it
             )
-            client = LLMClient(ecfg.llm, env={})
-            engine = Engine(ecfg, llm=client)
-            try:
-                cpu = time.process_time()
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(engine.run)
-                    await engine.started.wait()
-                    limit = 120 + 10 * total * latency_s / concurrency / scale
-                    progress = await watch_engine(engine.metrics, total, limit)
-                    engine.stop()
-                cpu = time.process_time() - cpu
-            finally:
-                usage = client.usage()
-                await client.aclose()
+            cpu = time.process_time()
+            async with running_engine(ecfg) as (engine, client):
+                limit = 120 + 10 * total * latency_s / concurrency / scale
+                progress = await watch_engine(engine.metrics, total, limit)
+            cpu = time.process_time() - cpu
+            usage = client.usage()
     finally:
         await delete_topics(cfg.kafka)
     calls = sum(u.calls for u in usage.values())

@@ -22,12 +22,15 @@ import anyio
 from msgspec import Struct
 
 from combee_stream.bench.report import Target, describe_latency, document, table
-from combee_stream.config import LearningConfig, LLMConfig, RoleConfig
-from combee_stream.core.controller import ControllerSettings, OnlineController
+from combee_stream.config import Config, LearningConfig
+from combee_stream.core.controller import batch_policy
 from combee_stream.core.learner import Learner
 from combee_stream.core.llm import LLMClient
-from combee_stream.core.playbook import new_playbook, playbook_tokens
+from combee_stream.core.pipeline import KeyPipeline, MemorySink, closed_inbox
+from combee_stream.core.playbook import playbook_tokens
 from combee_stream.core.scan import ScanParams, plan
+from combee_stream.core.versions import KeyChain
+from combee_stream.offline.run import offline_settings
 from combee_stream.schemas import Playbook, Source, Trace
 from combee_stream.sim import (
     IN_PROCESS_BASE_URL,
@@ -37,6 +40,7 @@ from combee_stream.sim import (
     score,
     sim_app,
     sim_http_client,
+    simulated_llm,
 )
 
 # A hosted chat model: 0.5 s to first token, 10k prompt tokens/s, 50 output tokens/s, ±10%.
@@ -139,7 +143,7 @@ async def _learn(
     batch_size: int | None,  # None = the online controller
     fan_in: int,
 ) -> _Run:
-    """Learn ``traces`` (one key) window after window, on a fresh simulator and client."""
+    """Learn ``traces`` (one key) with the offline pipeline, on a fresh simulator and client."""
     scale = settings.time_scale or 1.0
     app = sim_app(
         SimSettings(
@@ -149,66 +153,53 @@ async def _learn(
             time_scale=scale,
         )
     )
-    role = RoleConfig(base_url=IN_PROCESS_BASE_URL, model="sim-llm")
-    llm_config = LLMConfig(
-        reflector=role,
-        curator=role,
-        combiner=role,
-        concurrency=settings.concurrency,
-        timeout_s=3600.0,  # model seconds on the virtual clock; nothing times out here
-        max_attempts=2,
-    )
-    learning = LearningConfig(
-        strategy=strategy,  # type: ignore[arg-type]
-        duplication=settings.duplication,
-        fan_in=fan_in,
-        seed=settings.seed,
+    config = Config(
+        # Model seconds on the virtual clock: nothing times out here.
+        llm=simulated_llm(
+            IN_PROCESS_BASE_URL, concurrency=settings.concurrency, timeout_s=3600.0, max_attempts=2
+        ),
+        learning=LearningConfig(
+            strategy=strategy,  # type: ignore[arg-type]
+            batch_size=batch_size if batch_size is not None else "auto",
+            duplication=settings.duplication,
+            fan_in=fan_in,
+            seed=settings.seed,
+        ),
     )
     items = [(t, Source(trace_id=t.trace_id)) for t in traces]
-    controller = (
-        OnlineController(
-            ControllerSettings(min_size=learning.min_batch_size, max_size=learning.max_batch_size)
-        )
-        if batch_size is None
-        else None
-    )
+    sink = MemorySink()
     async with sim_http_client(app) as http:
-        llm = LLMClient(llm_config, http_client=http, env={})
+        llm = LLMClient(config.llm, http_client=http, env={})
         try:
-            learner = Learner(llm, learning, strategy_name=strategy)
-            run = _Run(
-                playbook=new_playbook(KEY), window_sizes=[], wall_s=0, cpu_s=0, window_delays=[]
+            pipeline = KeyPipeline(
+                KeyChain(KEY),
+                Learner.from_config(config, llm),
+                batch_policy(config.learning, key=KEY),
+                sink,
+                closed_inbox(items),
+                offline_settings(config),
+                total=len(items),
             )
             started, cpu = anyio.current_time(), time.process_time()
-            position = 0
-            while position < len(items):
-                if strategy == "sequential":
-                    size = 1
-                elif controller is not None:
-                    size = controller.current()
-                else:
-                    size = batch_size or 1
-                window = items[position : position + size]
-                position += len(window)
-                result = await learner.learn_window(run.playbook, window)
-                if result.failed:
-                    raise RuntimeError(f"{len(result.failed)} reflection(s) failed: no faults set")
-                stats = result.stats
-                if controller is not None:
-                    controller.observe(len(window), stats.delay_s)
-                run.playbook = result.playbook
-                run.window_sizes.append(len(window))
-                run.window_delays.append(stats.delay_s * scale)
-                run.llm_calls += stats.llm_calls
-                run.tokens_in += stats.tokens_in
-                run.tokens_out += stats.tokens_out
-                run.max_curator_items = max(run.max_curator_items, stats.max_curator_items)
-                run.rounds += stats.rounds
-            run.wall_s = (anyio.current_time() - started) * scale
-            run.cpu_s = time.process_time() - cpu
+            await pipeline.run()
+            wall, cpu = anyio.current_time() - started, time.process_time() - cpu
         finally:
             await llm.aclose()
-    return run
+    if sink.parked:
+        raise RuntimeError(f"{len(sink.parked)} trace(s) could not be learned: no faults set")
+    results = [w.result for w in sink.windows if w.result is not None]
+    return _Run(
+        playbook=sink.updates[-1].playbook,
+        window_sizes=[len(w.items) for w in sink.windows],
+        wall_s=wall * scale,
+        cpu_s=cpu,
+        window_delays=[u.stats.delay_s * scale for u in sink.updates],
+        llm_calls=sum(r.stats.llm_calls for r in results),
+        tokens_in=sum(r.stats.tokens_in for r in results),
+        tokens_out=sum(r.stats.tokens_out for r in results),
+        max_curator_items=max(r.stats.max_curator_items for r in results),
+        rounds=sum(r.stats.rounds for r in results),
+    )
 
 
 async def run_scaling(

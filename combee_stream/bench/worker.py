@@ -19,14 +19,12 @@ import anyio
 import msgspec
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from combee_stream.bench.harness import metric_total
-from combee_stream.config import Config, RoleConfig
-from combee_stream.core.llm import LLMClient
-from combee_stream.engine.runner import Engine
+from combee_stream.bench.harness import metric_total, running_engine
+from combee_stream.config import Config
 from combee_stream.kafka.client import client_kwargs, partitions_of
 from combee_stream.logs import configure_logging
 from combee_stream.schemas import Trace, decode
-from combee_stream.sim import IN_PROCESS_BASE_URL, SimApp, SimSettings, sim_app, sim_http_client
+from combee_stream.sim import SimApp, SimSettings, sim_app, sim_http_client
 
 
 class WorkerJob(msgspec.Struct, kw_only=True):
@@ -107,47 +105,33 @@ async def _forget_requests(app: SimApp, every_s: float = 1.0) -> None:
 
 
 async def engine(job: WorkerJob) -> WorkerResult:
+    # job.config points every role at IN_PROCESS_BASE_URL (bench.harness.engine_config).
+    app = sim_app(SimSettings(seed=job.config.learning.seed))
     config = job.config
-    app = sim_app(SimSettings(seed=config.learning.seed))
-    role = RoleConfig(base_url=IN_PROCESS_BASE_URL, model="sim-llm")
-    llm_config = msgspec.structs.replace(
-        config.llm, reflector=role, curator=role, combiner=role, memo_path=""
-    )
-    async with sim_http_client(app) as http:
-        client = LLMClient(llm_config, http_client=http, env={})
-        runner = Engine(config, llm=client)
-        try:
+    async with sim_http_client(app) as http, anyio.create_task_group() as tg:
+        tg.start_soon(_forget_requests, app)
+        async with running_engine(config, http_client=http) as (runner, client):
             baseline = _peak_rss_mb()
             started = cpu = 0.0
-            async with anyio.create_task_group() as tg:
-
-                async def run_engine() -> None:
-                    await runner.run()
-                    tg.cancel_scope.cancel()  # the engine is closed: stop _forget_requests
-
-                tg.start_soon(run_engine)
-                tg.start_soon(_forget_requests, app)
-                await runner.started.wait()
-                with anyio.fail_after(job.limit_s):
-                    while metric_total(runner.metrics.trace_to_publish, "_count") < job.count:
-                        if not started and metric_total(runner.metrics.traces_in, "_total"):
-                            started, cpu = anyio.current_time(), _cpu()
-                        await anyio.sleep(0.02)
-                wall = anyio.current_time() - started
-                cpu = _cpu() - cpu
-                runner.stop()
-            return WorkerResult(
-                reader="engine",
-                count=job.count,
-                wall_s=wall,
-                traces_per_s=job.count / wall,
-                cpu_s=cpu,
-                baseline_rss_mb=baseline,
-                peak_rss_mb=_peak_rss_mb(),
-                memo_entries=len(client.memo),
-            )
-        finally:
-            await client.aclose()
+            with anyio.fail_after(job.limit_s):
+                while metric_total(runner.metrics.trace_to_publish, "_count") < job.count:
+                    if not started and metric_total(runner.metrics.traces_in, "_total"):
+                        started, cpu = anyio.current_time(), _cpu()
+                    await anyio.sleep(0.02)
+            wall = anyio.current_time() - started
+            cpu = _cpu() - cpu
+            memo_entries = len(client.memo)
+        tg.cancel_scope.cancel()  # the engine is closed: stop _forget_requests
+    return WorkerResult(
+        reader="engine",
+        count=job.count,
+        wall_s=wall,
+        traces_per_s=job.count / wall,
+        cpu_s=cpu,
+        baseline_rss_mb=baseline,
+        peak_rss_mb=_peak_rss_mb(),
+        memo_entries=memo_entries,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

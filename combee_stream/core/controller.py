@@ -1,4 +1,9 @@
-"""Dynamic batch-size controller (Combee paper §3.3), offline rule and online stream controller.
+"""Batch-size policies: a fixed size, or the dynamic controller (Combee paper §3.3).
+
+:func:`batch_policy` is the one constructor every driver uses (engine, offline ``learn``,
+benchmarks): ``sequential`` always gets windows of one trace, a fixed ``learning.batch_size``
+gets :class:`FixedBatch`, ``"auto"`` gets an :class:`OnlineController` within
+``[learning.min_batch_size, learning.max_batch_size]``.
 
 Rule: from a measured iteration delay ``d(bs)`` per candidate size and ``N`` training traces, the
 epoch time is ``T(bs) = d(bs) * N / bs``. Fit ``T = A * bs**-alpha`` by least squares in log-log
@@ -17,10 +22,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import msgspec
 from msgspec import Struct
 
+from combee_stream.config import LearningConfig
+from combee_stream.core.scan import strategy
 from combee_stream.logs import get_logger
 
 DEFAULT_CANDIDATES: tuple[int, ...] = (5, 10, 20, 40, 80)
@@ -267,3 +275,68 @@ class OnlineController:
             )
             self._grown = grown
         return self.current()
+
+
+class BatchPolicy(Protocol):
+    """Chooses each window's size for one key. The key's pipeline asks ``backlog(pending)``
+    (streaming) or ``current()`` (offline) when a window fills, and reports every published
+    window with ``observe``."""
+
+    def current(self) -> int: ...
+
+    def backlog(self, pending: int) -> int: ...
+
+    def observe(self, batch_size: int, delay_s: float) -> Decision | None: ...
+
+
+class FixedBatch:
+    """Always the same size (``learning.batch_size = N``; ``sequential`` is FixedBatch(1))."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"batch size must be >= 1, got {size}")
+        self.size = size
+
+    def current(self) -> int:
+        return self.size
+
+    def backlog(self, pending: int) -> int:
+        return self.size
+
+    def observe(self, batch_size: int, delay_s: float) -> Decision | None:
+        return None
+
+
+def batch_policy(
+    learning: LearningConfig,
+    *,
+    key: str = "",
+    strategy_name: str | None = None,
+    batch_size: int | None = None,
+) -> BatchPolicy:
+    """The batch-size policy of one key. ``batch_size`` overrides ``learning.batch_size``
+    (None: take the config's, which may be ``"auto"``)."""
+    spec = strategy(strategy_name or learning.strategy)
+    if spec.window_size is not None:
+        return FixedBatch(spec.window_size)
+    size = batch_size if batch_size is not None else learning.batch_size
+    if isinstance(size, int):
+        return FixedBatch(size)
+    settings = ControllerSettings(
+        min_size=learning.min_batch_size, max_size=learning.max_batch_size
+    )
+    return OnlineController(settings, key=key)
+
+
+__all__ = [
+    "DEFAULT_CANDIDATES",
+    "BatchPolicy",
+    "ControllerSettings",
+    "Decision",
+    "FixedBatch",
+    "OnlineController",
+    "PowerLawFit",
+    "batch_policy",
+    "choose_batch_size",
+    "fit_power_law",
+]

@@ -32,6 +32,12 @@ Decisions (Combee notes §8):
   structured reason; the window still records its traces and tags (a tags-only delta, or an
   empty one if even that does not fit), so every window yields exactly one new version and the
   traces are not learned twice.
+- **Gate.** A delta that fits goes to the publish gate (:mod:`combee_stream.core.gate`). A
+  refused candidate falls back to provenance only (no operations, no tags: nothing of the
+  refused window reaches the prompt), again one version, its traces learned-and-rejected.
+
+:meth:`Learner.from_config` is the one constructor of a configured learner (strategy, scan
+parameters, prompts, embeddings, gate), used by every driver.
 """
 
 from __future__ import annotations
@@ -45,9 +51,10 @@ import anyio
 import msgspec
 from msgspec import Struct
 
-from combee_stream.config import LearningConfig
+from combee_stream.config import Config, LearningConfig
 from combee_stream.core.delta import empty, merge, rebase
-from combee_stream.core.llm import ChatMessage, Completion, LLMCallError, Role
+from combee_stream.core.gate import AcceptAll, Candidate, PublishGate
+from combee_stream.core.llm import ChatMessage, Completion, LLMCallError, LLMClient, Role
 from combee_stream.core.outputs import CuratorOutput, ReflectorOutput
 from combee_stream.core.playbook import (
     ApplyResult,
@@ -72,7 +79,17 @@ from combee_stream.core.scan import (
     reduce_tree,
     strategy,
 )
-from combee_stream.schemas import BulletTag, Delta, Playbook, Reflection, Source, Trace
+from combee_stream.errors import CombeeError
+from combee_stream.schemas import (
+    BulletTag,
+    Delta,
+    GateRejection,
+    Playbook,
+    Reflection,
+    Rejection,
+    Source,
+    Trace,
+)
 
 T = TypeVar("T")
 
@@ -85,7 +102,7 @@ class LLM(Protocol):
     ) -> Completion[T]: ...
 
 
-class WindowError(Exception):
+class WindowError(CombeeError):
     """The window could not be reduced (a curator / combiner / embedding call failed for good).
     Nothing was applied; retrying replays the finished calls from the completion memo."""
 
@@ -137,12 +154,13 @@ class Proposal(Struct):
 
 class WindowResult(Struct):
     playbook: Playbook  # the new version (the input itself when nothing was learned)
-    delta: Delta  # what was applied (after a budget fallback: the tags-only / empty delta)
+    delta: Delta  # what was applied (after a fallback: the tags-only / provenance-only delta)
     proposed: Delta  # the merged delta of the window, before any fallback
     applied: ApplyResult
     failed: list[FailedTrace]
     reflections: list[Reflection]
     stats: WindowStats
+    rejection: Rejection | None = None  # why ``proposed`` was not applied (budget, gate)
 
     @property
     def learned(self) -> list[Source]:
@@ -153,6 +171,17 @@ class WindowResult(Struct):
 def _window_rng(seed: int, key: str, version: int, sources: Sequence[Source]) -> random.Random:
     material = f"{seed}|{key}|{version}|" + ",".join(s.trace_id for s in sources)
     return random.Random(int.from_bytes(hashlib.sha256(material.encode()).digest()[:8], "big"))
+
+
+def required_roles(config: Config, strategy_name: str | None = None) -> list[Role | str]:
+    """The LLM roles (and ``embeddings``) a learner with these settings calls."""
+    spec = strategy(strategy_name or config.learning.strategy)
+    roles: list[Role | str] = ["reflector", "curator"]
+    if config.learning.combine == "llm" and not spec.single_group:
+        roles.append("combiner")
+    if config.llm.embeddings.enabled:
+        roles.append("embeddings")
+    return roles
 
 
 class Learner:
@@ -167,11 +196,13 @@ class Learner:
         dedup_threshold: float = 0.9,
         prompts: Prompts | None = None,
         strategy_name: str | None = None,
+        gate: PublishGate | None = None,
     ) -> None:
         self._llm = llm
         self._config = learning
         self._embed = embed
         self._threshold = dedup_threshold
+        self._gate: PublishGate = gate or AcceptAll()
         self._prompts = prompts or load_prompts(learning.prompts_dir)
         self.spec: StrategySpec = strategy(strategy_name or learning.strategy)
         self.params = ScanParams(
@@ -179,6 +210,30 @@ class Learner:
             fan_in=learning.fan_in,
             combine=learning.combine,
             single_group=self.spec.single_group,
+        )
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Config,
+        llm: LLMClient,
+        *,
+        strategy_name: str | None = None,
+        gate: PublishGate | None = None,
+    ) -> Learner:
+        """A learner with every option of ``config`` wired: strategy, scan parameters, prompt
+        overrides, semantic dedup through ``llm``'s embeddings endpoint when
+        ``llm.embeddings.enabled``, and the gate. Fails fast (``MissingEndpointError``) when a
+        role it will call has no endpoint."""
+        llm.require(*required_roles(config, strategy_name))  # type: ignore[arg-type]
+        embeddings = config.llm.embeddings
+        return cls(
+            llm,
+            config.learning,
+            embed=llm.embed if embeddings.enabled else None,
+            dedup_threshold=embeddings.threshold,
+            strategy_name=strategy_name,
+            gate=gate,
         )
 
     async def learn_window(
@@ -353,18 +408,34 @@ class Learner:
             delta = rebase(delta, onto)
         result = await self._apply(onto, delta)
         applied_delta = delta
+        rejection: Rejection | None = result.rejected
+        fallbacks: list[Delta] = []
         if not result.applied:
-            for fallback in (
+            fallbacks = [
                 Delta(
                     key=onto.key, tags=delta.tags, sources=delta.sources, base_version=onto.version
                 ),
                 Delta(key=onto.key, sources=delta.sources, base_version=onto.version),
-            ):
-                attempt = apply(onto, fallback, token_budget=self._config.token_budget)
-                if attempt.applied:
-                    applied_delta = fallback
-                    result = msgspec.structs.replace(attempt, rejected=result.rejected)
-                    break
+            ]
+        else:
+            verdict = await self._gate.review(
+                Candidate(
+                    key=onto.key,
+                    parent=onto,
+                    playbook=result.playbook,
+                    delta=delta,
+                    reflections=proposal.reflections,
+                )
+            )
+            if not verdict.accepted:
+                rejection = GateRejection(gate=self._gate.name, reason=verdict.reason)
+                fallbacks = [Delta(key=onto.key, sources=delta.sources, base_version=onto.version)]
+        for fallback in fallbacks:
+            attempt = apply(onto, fallback, token_budget=self._config.token_budget)
+            if attempt.applied:
+                applied_delta = fallback
+                result = msgspec.structs.replace(attempt, rejected=result.rejected)
+                break
         stats.delay_s += anyio.current_time() - started
         return WindowResult(
             playbook=result.playbook,
@@ -374,6 +445,7 @@ class Learner:
             failed=proposal.failed,
             reflections=proposal.reflections,
             stats=stats,
+            rejection=rejection,
         )
 
     async def _apply(self, snapshot: Playbook, delta: Delta) -> ApplyResult:
@@ -412,4 +484,5 @@ __all__ = [
     "WindowError",
     "WindowResult",
     "WindowStats",
+    "required_roles",
 ]

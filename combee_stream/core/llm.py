@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import email.utils
 import json
-import math
 import os
 import random
 import time
@@ -28,8 +27,10 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from combee_stream.config import EmbeddingsConfig, LLMConfig, RoleConfig
 from combee_stream.core.memo import CompletionMemo, MemoEntry, request_key
-from combee_stream.errors import UserError
+from combee_stream.errors import CombeeError, UserError
 from combee_stream.logs import get_logger
+from combee_stream.retry import RetryPolicy
+from combee_stream.tokens import estimate_tokens
 
 log = get_logger(__name__)
 
@@ -76,14 +77,7 @@ class RoleUsage(msgspec.Struct, kw_only=True):
     latency_s: float = 0.0  # summed wall time of the calls, waits included
 
 
-class RetryPolicy(msgspec.Struct, frozen=True, kw_only=True):
-    """Backoff between attempts: sleep uniform(0, min(max_s, base_s * 2**(attempt-1)))."""
-
-    base_s: float = 0.5
-    max_s: float = 30.0
-
-
-class LLMCallError(Exception):
+class LLMCallError(CombeeError):
     """An LLM call failed for good: attempts exhausted, or a non-retryable HTTP error."""
 
     def __init__(self, role: str, reason: str, attempts: int) -> None:
@@ -194,11 +188,6 @@ class _RateLimiter:
             self._requests = min(self._rpm, self._requests + elapsed * self._rpm / 60.0)
         if self._tpm:
             self._tokens = min(self._tpm, self._tokens + elapsed * self._tpm / 60.0)
-
-
-def estimate_tokens(text: str) -> int:
-    """Rough token count used for rate limiting before the server reports usage."""
-    return math.ceil(len(text) / 4)
 
 
 def _retry_after(response: httpx2.Response) -> float | None:
@@ -571,8 +560,7 @@ class LLMClient:
                 raise _Transient(f"bad response: {_short(str(exc))}") from None
 
     async def _backoff(self, role: str, attempt: int, exc: _Transient) -> None:
-        ceiling = min(self._retry.max_s, self._retry.base_s * 2 ** (attempt - 1))
-        delay = self._rng.uniform(0.0, ceiling)
+        delay = self._retry.delay(attempt, self._rng)
         log.warning(
             "llm.retry",
             role=role,
@@ -720,3 +708,20 @@ def _with_instruction(messages: list[ChatMessage], instruction: str) -> list[Cha
 
 def _short(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+__all__ = [
+    "EMBEDDINGS",
+    "ROLES",
+    "ChatMessage",
+    "Completion",
+    "LLMCallError",
+    "LLMClient",
+    "MissingEndpointError",
+    "Role",
+    "RoleUsage",
+    "bound_schema",
+    "decode_reply",
+    "extract_json",
+    "output_schema",
+]

@@ -40,6 +40,7 @@ from msgspec import Struct
 
 from combee_stream.schemas import (
     AddOp,
+    BudgetRejection,
     Bullet,
     BulletTag,
     Delta,
@@ -49,6 +50,7 @@ from combee_stream.schemas import (
     Section,
     UpdateOp,
 )
+from combee_stream.tokens import estimate_tokens
 
 DEFAULT_SECTIONS: Final = (
     "STRATEGIES & INSIGHTS",
@@ -75,15 +77,6 @@ _SLUGS: Final = {
 
 EmbedFn = Callable[[list[str]], Awaitable[list[list[float]]]]
 SkipReason = Literal["missing_bullet", "duplicate", "near_duplicate", "superseded"]
-
-
-class BudgetRejection(Struct, frozen=True, forbid_unknown_fields=True):
-    """Why a delta was refused: its result would exceed the playbook token budget."""
-
-    budget: int
-    would_be: int
-    current: int
-    kind: Literal["token_budget"] = "token_budget"
 
 
 class SkippedOp(Struct, frozen=True, forbid_unknown_fields=True):
@@ -152,11 +145,6 @@ def section_slug(name: str) -> str:
     return _SLUGS.get(key) or "".join(w[0] for w in key.split("_") if w)[:4] or "misc"
 
 
-def count_tokens(text: str) -> int:
-    """Approximate token count: ceil(chars / 4)."""
-    return math.ceil(len(text) / 4)
-
-
 def render_bullet(bullet: Bullet) -> str:
     return f"[{bullet.id}] helpful={bullet.helpful} harmful={bullet.harmful} :: {bullet.content}"
 
@@ -178,7 +166,7 @@ def render(playbook: Playbook, *, empty_sections: bool = False) -> str:
 
 
 def playbook_tokens(playbook: Playbook) -> int:
-    return count_tokens(render(playbook))
+    return estimate_tokens(render(playbook))
 
 
 def find_bullet(playbook: Playbook, bullet_id: str) -> Bullet | None:
@@ -426,7 +414,6 @@ __all__ = [
     "DEFAULT_SECTIONS",
     "OTHERS",
     "ApplyResult",
-    "BudgetRejection",
     "EmbedFn",
     "PlaybookStats",
     "SectionStats",
@@ -436,7 +423,6 @@ __all__ = [
     "bullet_ids",
     "copy_playbook",
     "cosine",
-    "count_tokens",
     "dedup",
     "find_bullet",
     "near_duplicate_adds",

@@ -11,8 +11,8 @@ data). A template has a system part and a user part, split by the lines ``<!-- s
 Only these names are substituted (one pass, so a value containing ``{x}`` is left alone, and JSON
 examples in a template need no escaping). ``LearningConfig.prompts_dir`` points to a folder whose
 files of the same names replace the defaults; every template is checked when loaded for its
-required placeholders and the tagged blocks of the prompt contract (each tag alone on its line),
-which the simulator and the tests rely on.
+required placeholders and its tagged blocks (each tag alone on its line), which delimit the
+playbook and the untrusted trace text from the instructions.
 
 Decision (Combee notes §8.5, what a reflection record carries): the curator sees, per
 reflection, its trace id, the task (cut to ``TASK_CHARS``) and the reflection fields; not the
@@ -47,7 +47,7 @@ _SYSTEM_MARK: Final = "<!-- system -->"
 _USER_MARK: Final = "<!-- user -->"
 _PLACEHOLDER = re.compile(r"\{([a-z_]+)\}")
 
-# Placeholders and tagged blocks each template must carry (helpers/contract.md).
+# Placeholders and tagged blocks each template must carry.
 _REQUIRED: Final[dict[PromptRole, tuple[tuple[str, ...], tuple[str, ...]]]] = {
     "reflector": (("playbook", "bullets_used", "trace"), ("playbook", "bullets_used", "trace")),
     "curator": (

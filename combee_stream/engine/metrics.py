@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter as Tally
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -12,6 +13,20 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+
+
+class Health:
+    """What ``/healthz`` and ``/readyz`` report. Ready = partitions assigned and restored, and
+    no write to or read from Kafka currently failing (``failing`` counts operations in retry)."""
+
+    def __init__(self) -> None:
+        self.live = True
+        self.assigned = False
+        self.failing: Tally[str] = Tally()
+
+    @property
+    def ready(self) -> bool:
+        return self.live and self.assigned and not +self.failing
 
 
 class EngineMetrics:
@@ -70,8 +85,17 @@ class EngineMetrics:
         self.llm_latency = Gauge(
             "combee_llm_latency_seconds_total", "Summed LLM call time", ["role"], registry=r
         )
-        self.live = True
-        self.ready = False
+        self.broker_failures = Counter(
+            "combee_broker_failures",
+            "Failed attempts to write to (publish, dlq, commit) or read from (restore) Kafka",
+            ["op"],
+            registry=r,
+        )
+        self.health = Health()
+
+    @property
+    def ready(self) -> bool:
+        return self.health.ready
 
     def asgi_app(self) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
         """``/metrics``, ``/healthz`` (the process runs) and ``/readyz`` (assigned and restored)."""
@@ -85,9 +109,9 @@ class EngineMetrics:
                 await metrics_app(scope, receive, send)
                 return
             if path == "/healthz":
-                ok = self.live
+                ok = self.health.live
             elif path == "/readyz":
-                ok = self.ready
+                ok = self.health.ready
             else:
                 await _plain(send, 404, b"not found\n")
                 return
@@ -105,3 +129,6 @@ async def _plain(send: Send, status: int, body: bytes) -> None:
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+__all__ = ["EngineMetrics", "Health"]

@@ -1,36 +1,11 @@
-"""What the engine knows about one assigned traces partition and the keys that live in it."""
+"""What the engine knows about one assigned traces partition."""
 
 from __future__ import annotations
 
 import anyio
 
-from combee_stream.core.controller import OnlineController
-from combee_stream.core.playbook import new_playbook
 from combee_stream.engine.offsets import PartitionOffsets
-from combee_stream.schemas import Playbook, PromptUpdate
-
-
-class KeyState:
-    """The newest published state of one key, restored from the compacted prompts topic."""
-
-    def __init__(self, key: str, partition: int, controller: OnlineController) -> None:
-        self.key = key
-        self.partition = partition
-        self.controller = controller
-        self.update: PromptUpdate | None = None
-        self.playbook: Playbook = new_playbook(key)
-        self.watermark = -1  # highest offset of this key's traces already learned
-        self.traces_learned = 0
-
-    def restore(self, update: PromptUpdate) -> None:
-        self.update = update
-        self.playbook = update.playbook
-        self.watermark = update.watermark.get(self.partition, -1)
-        self.traces_learned = update.stats.traces_learned
-
-    @property
-    def version(self) -> int:
-        return self.update.version if self.update is not None else -1
+from combee_stream.schemas import PromptUpdate
 
 
 class PartitionState:
@@ -43,8 +18,16 @@ class PartitionState:
         self.offsets = PartitionOffsets()
         self.owned = True
         self.restored = anyio.Event()
+        # The newest version of every key of this partition, read from the prompts topic
+        # before the partition's first trace is read.
         self.restored_updates: dict[str, PromptUpdate] = {}
         # Held while publishing and while revoking: a revoked partition never publishes again.
         self.lock = anyio.Lock()
         self.committed = -1  # the last offset this owner committed
-        self.workers: list[anyio.CancelScope] = []  # cancelled on revoke
+        self.workers: list[anyio.CancelScope] = []  # the key pipelines, cancelled on revoke
+
+
+# The engine's owned partitions by number; shared by the engine, its intake and its publisher.
+Partitions = dict[int, PartitionState]
+
+__all__ = ["PartitionState", "Partitions"]

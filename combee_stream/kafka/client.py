@@ -7,6 +7,9 @@ from typing import Any
 
 from combee_stream.config import KafkaConfig, secret
 from combee_stream.errors import UserError
+from combee_stream.logs import get_logger
+
+log = get_logger(__name__)
 
 
 def client_kwargs(cfg: KafkaConfig, env: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -45,3 +48,14 @@ async def partitions_of(consumer: Any, topic: str) -> set[int]:
     """
     cluster = await consumer._client.fetch_all_metadata()
     return set(cluster.partitions_for_topic(topic) or ())
+
+
+async def stop_quietly(client: Any) -> None:
+    """Stop an aiokafka client on the way out: a failure is logged, never masks the real error."""
+    try:
+        await client.stop()
+    except Exception as exc:
+        log.debug("close failed", client=type(client).__name__, error=str(exc))
+
+
+__all__ = ["client_kwargs", "partitions_of", "stop_quietly"]

@@ -1,4 +1,5 @@
-"""CLI: ``topics create``, ``produce``, ``subscribe``, ``prompts set``."""
+"""CLI: ``topics create``, ``produce``, ``subscribe`` (Kafka only; ``prompts`` and ``inspect``
+live in :mod:`combee_stream.prompts_cli`)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import anyio
 import msgspec
 
 from combee_stream.config import Config
-from combee_stream.errors import UserError
-from combee_stream.kafka.producer import TraceProducer, make_producer, publish_update
+from combee_stream.errors import DecodeError, UserError
+from combee_stream.formats import get_format
+from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.subscriber import PromptSubscriber
 from combee_stream.kafka.topics import ensure_topics
-from combee_stream.schemas import DecodeError, Playbook, PromptUpdate, Trace, decode, encode, utcnow
+from combee_stream.schemas import Trace, encode
 
 
 def register(sub: Any) -> None:
@@ -40,21 +41,6 @@ def register(sub: Any) -> None:
     )
     subscribe.set_defaults(handler=_subscribe)
 
-    prompts = sub.add_parser("prompts", help="operate on prompt versions")
-    prompts_sub = prompts.add_subparsers(dest="prompts_command", required=True)
-    seed = prompts_sub.add_parser(
-        "set", help="publish a seed prompt (version 0) for a key from your own system prompt"
-    )
-    seed.add_argument("key")
-    seed.add_argument("file", help="text file holding the system prompt")
-    seed.add_argument(
-        "--force",
-        action="store_true",
-        help="key already has versions: publish the new base prompt as the next version, "
-        "keeping the learned bullets",
-    )
-    seed.set_defaults(handler=_prompts_set)
-
 
 async def _topics_create(args: argparse.Namespace, config: Config) -> int:
     for topic, state in (await ensure_topics(config.kafka)).items():
@@ -75,10 +61,11 @@ async def _produce(args: argparse.Namespace, config: Config) -> int:
     lines = [(n, line) for n, line in enumerate(_read_lines(args.file), 1) if line.strip()]
     traces: list[Trace] = []
     if not args.raw:
+        fmt = get_format(config.kafka.traces_format)
         errors = []
         for n, line in lines:
             try:
-                traces.append(decode(line, Trace))
+                traces.append(fmt.from_line(line))
             except DecodeError as exc:
                 errors.append(f"{args.file}:{n}: {exc}")
         if errors:
@@ -120,63 +107,4 @@ async def _subscribe(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
-async def _prompts_set(args: argparse.Namespace, config: Config) -> int:
-    try:
-        text = await anyio.Path(args.file).read_text()
-    except FileNotFoundError:
-        raise UserError(f"{args.file}: file not found") from None
-    update = await seed_prompt(config, args.key, text, force=args.force)
-    print(encode(update).decode())
-    return 0
-
-
-async def seed_prompt(config: Config, key: str, text: str, *, force: bool = False) -> PromptUpdate:
-    """Publish the operator's system prompt for ``key`` (version 0, or the next one with force)."""
-    try:
-        # Struct constructors skip constraint checks; a round trip applies them (key format).
-        playbook = decode(encode(Playbook(key=key, base_prompt=text)), Playbook)
-    except DecodeError as exc:
-        raise UserError(f"invalid key {key!r}: {exc}") from None
-    async with PromptSubscriber(config.kafka, keys={key}) as prompts:
-        current = prompts.latest(key)
-    if current is None:
-        update = PromptUpdate(
-            key=key, version=0, playbook=playbook, prompt=text, created_at=utcnow()
-        )
-    elif not force:
-        raise UserError(
-            f"key {key!r} already has version {current.version}; use --force to publish this "
-            "base prompt as the next version (learned bullets are kept)"
-        )
-    else:
-        from combee_stream.core.playbook import render
-
-        version = current.version + 1
-        learned = current.playbook
-        playbook = Playbook(
-            key=key,
-            version=version,
-            base_prompt=text,
-            sections=learned.sections,
-            next_id=learned.next_id,
-        )
-        update = PromptUpdate(
-            key=key,
-            version=version,
-            parent_version=current.version,
-            playbook=playbook,
-            prompt=render(playbook),
-            stats=current.stats,
-            watermark=current.watermark,
-            created_at=utcnow(),
-        )
-    producer = make_producer(config.kafka)
-    await producer.start()
-    try:
-        await publish_update(producer, config.kafka.prompts_topic, update)
-    finally:
-        await producer.stop()
-    return update
-
-
-__all__ = ["register", "seed_prompt"]
+__all__ = ["register"]

@@ -16,8 +16,14 @@ from combee_stream.schemas import PromptUpdate, Trace, encode
 def make_producer(
     cfg: KafkaConfig, env: Mapping[str, str] | None = None, **overrides: Any
 ) -> AIOKafkaProducer:
-    """An idempotent producer (acks=all): retries never duplicate or reorder a partition."""
-    kwargs = {**client_kwargs(cfg, env), "enable_idempotence": True, "acks": "all"}
+    """An idempotent producer (acks=all): retries never duplicate or reorder a partition. One
+    send fails after ``kafka.request_timeout_ms`` when the broker cannot be reached."""
+    kwargs = {
+        **client_kwargs(cfg, env),
+        "enable_idempotence": True,
+        "acks": "all",
+        "request_timeout_ms": cfg.request_timeout_ms,
+    }
     kwargs.update(overrides)
     return AIOKafkaProducer(**kwargs)
 
@@ -65,3 +71,6 @@ async def publish_update(
     """Publish one prompt version to the compacted prompts topic, keyed by its prompt key."""
     meta = await producer.send_and_wait(topic, value=encode(update), key=update.key.encode())
     return meta.partition, meta.offset
+
+
+__all__ = ["TraceProducer", "make_producer", "publish_update"]

@@ -1,15 +1,70 @@
-"""Read a topic from the beginning to its current end: for audits, inspection and tests."""
+"""The one topic reader: read a topic (or some partitions) from the beginning to its current end,
+and decode prompt updates. Used by the subscriber's catch-up, the engine's restore, ``inspect``,
+the benchmarks and the tests.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from combee_stream.config import KafkaConfig
-from combee_stream.errors import UserError
+from combee_stream.errors import DecodeError, UserError
 from combee_stream.kafka.client import client_kwargs, partitions_of
+from combee_stream.logs import get_logger
+from combee_stream.schemas import PromptUpdate, decode
+
+log = get_logger(__name__)
+
+
+def reading_consumer(cfg: KafkaConfig, env: Mapping[str, str] | None = None) -> AIOKafkaConsumer:
+    """A group-less consumer that sees committed data only (in exactly-once mode a version is
+    visible once its input offsets are committed with it)."""
+    return AIOKafkaConsumer(
+        **client_kwargs(cfg, env),
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        isolation_level="read_committed",
+    )
+
+
+async def assign_from_start(
+    consumer: AIOKafkaConsumer,
+    topic: str,
+    partitions: Collection[int] | None = None,
+    *,
+    hint: str = "",
+    partitions_hint: str = "",
+) -> list[TopicPartition]:
+    """Assign ``partitions`` of ``topic`` (all when None) to a started consumer, at the start.
+    The hints end the error when the topic, or one of the partitions, does not exist."""
+    available = await partitions_of(consumer, topic)
+    if not available:
+        raise UserError(f"topic {topic!r} does not exist{hint}")
+    if partitions is not None:
+        absent = set(partitions) - available
+        if absent:
+            raise UserError(f"topic {topic!r} has no partitions {sorted(absent)}{partitions_hint}")
+        available = set(partitions)
+    tps = [TopicPartition(topic, p) for p in sorted(available)]
+    consumer.assign(tps)
+    await consumer.seek_to_beginning(*tps)
+    return tps
+
+
+async def until_end(
+    consumer: AIOKafkaConsumer, tps: Sequence[TopicPartition], poll_timeout_ms: int = 500
+) -> AsyncIterator[list[Any]]:
+    """Batches of records of ``tps`` up to the end offsets seen on entry (so it terminates while
+    producers keep writing); the consumer is then positioned to follow live."""
+    end = await consumer.end_offsets(list(tps))
+    for tp in tps:
+        while await consumer.position(tp) < end[tp]:
+            for batch in (await consumer.getmany(tp, timeout_ms=poll_timeout_ms)).values():
+                yield batch
 
 
 async def read_to_end(
@@ -19,31 +74,57 @@ async def read_to_end(
     partitions: Collection[int] | None = None,
     env: Mapping[str, str] | None = None,
 ) -> list[Any]:
-    """Every record now readable in ``topic`` (committed data only), partition by partition.
-
-    Stops at the end offsets seen on entry, so it terminates while producers keep writing.
-    """
-    consumer = AIOKafkaConsumer(
-        **client_kwargs(cfg, env),
-        group_id=None,
-        enable_auto_commit=False,
-        isolation_level="read_committed",
-    )
+    """Every record now readable in ``topic`` (committed data only), partition by partition."""
+    consumer = reading_consumer(cfg, env)
     await consumer.start()
     records: list[Any] = []
     try:
-        available = await partitions_of(consumer, topic)
-        if not available:
-            raise UserError(f"topic {topic!r} does not exist")
-        wanted = sorted(available if partitions is None else set(partitions) & available)
-        tps = [TopicPartition(topic, p) for p in wanted]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        end = await consumer.end_offsets(tps)
-        for tp in tps:
-            while await consumer.position(tp) < end[tp]:
-                for batch in (await consumer.getmany(tp, timeout_ms=500)).values():
-                    records.extend(batch)
+        tps = await assign_from_start(consumer, topic, partitions)
+        async for batch in until_end(consumer, tps):
+            records.extend(batch)
     finally:
         await consumer.stop()
     return records
+
+
+def decode_update(record: Any) -> PromptUpdate | None:
+    """A prompts-topic record as an update; None for a tombstone. Raises DecodeError."""
+    if record.value is None:
+        return None
+    return decode(record.value, PromptUpdate)
+
+
+async def read_updates(
+    cfg: KafkaConfig,
+    *,
+    keys: Collection[str] | None = None,
+    partitions: Collection[int] | None = None,
+    strict: bool = False,
+    env: Mapping[str, str] | None = None,
+) -> list[PromptUpdate]:
+    """Every prompt update now on the prompts topic, in topic order per partition (compaction
+    keeps at least the newest per key). Tombstones are skipped; an undecodable record is
+    skipped with a warning, or raises DecodeError when ``strict`` (audits)."""
+    wanted = frozenset(keys) if keys is not None else None
+    updates: list[PromptUpdate] = []
+    for record in await read_to_end(cfg, cfg.prompts_topic, partitions=partitions, env=env):
+        try:
+            update = decode_update(record)
+        except DecodeError as exc:
+            if strict:
+                raise
+            log.warning("undecodable prompt update skipped", offset=record.offset, reason=str(exc))
+            continue
+        if update is not None and (wanted is None or update.key in wanted):
+            updates.append(update)
+    return updates
+
+
+__all__ = [
+    "assign_from_start",
+    "decode_update",
+    "read_to_end",
+    "read_updates",
+    "reading_consumer",
+    "until_end",
+]

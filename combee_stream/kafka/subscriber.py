@@ -16,13 +16,16 @@ from collections.abc import AsyncIterator, Collection, Mapping
 from types import TracebackType
 from typing import Any, Self
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
-
 from combee_stream.config import KafkaConfig
-from combee_stream.errors import UserError
-from combee_stream.kafka.client import client_kwargs, partitions_of
+from combee_stream.errors import DecodeError
+from combee_stream.kafka.reader import (
+    assign_from_start,
+    decode_update,
+    reading_consumer,
+    until_end,
+)
 from combee_stream.logs import get_logger
-from combee_stream.schemas import DecodeError, PromptUpdate, decode
+from combee_stream.schemas import PromptUpdate
 
 log = get_logger(__name__)
 
@@ -45,15 +48,7 @@ class PromptSubscriber:
         self._poll_timeout_ms = poll_timeout_ms
         self._latest: dict[str, PromptUpdate] = {}
         self.ignored_stale = 0
-        # read_committed: in exactly-once mode a version is visible only once its input offsets
-        # are committed with it.
-        self._consumer = AIOKafkaConsumer(
-            **client_kwargs(cfg, env),
-            group_id=None,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            isolation_level="read_committed",
-        )
+        self._consumer = reading_consumer(cfg, env)
 
     async def __aenter__(self) -> Self:
         await self._consumer.start()
@@ -73,26 +68,16 @@ class PromptSubscriber:
         await self._consumer.stop()
 
     async def _catch_up(self) -> None:
-        partitions = await partitions_of(self._consumer, self._topic)
-        if not partitions:
-            raise UserError(
-                f"prompts topic {self._topic!r} does not exist: run `combee-stream topics create`"
-            )
-        if self._partitions is not None:
-            missing = self._partitions - partitions
-            if missing:
-                raise UserError(
-                    f"prompts topic {self._topic!r} has no partitions {sorted(missing)}: "
-                    "traces and prompts topics must be co-partitioned"
-                )
-            partitions = set(self._partitions)
-        tps = [TopicPartition(self._topic, p) for p in sorted(partitions)]
-        self._consumer.assign(tps)
-        await self._consumer.seek_to_beginning(*tps)
-        end = await self._consumer.end_offsets(tps)
-        for tp in tps:
-            while await self._consumer.position(tp) < end[tp]:
-                await self._poll()
+        tps = await assign_from_start(
+            self._consumer,
+            self._topic,
+            self._partitions,
+            hint=": run `combee-stream topics create`",
+            partitions_hint=": traces and prompts topics must be co-partitioned",
+        )
+        async for batch in until_end(self._consumer, tps, self._poll_timeout_ms):
+            for record in batch:
+                self._accept(record)
 
     async def _poll(self) -> list[PromptUpdate]:
         accepted: list[PromptUpdate] = []
@@ -105,14 +90,14 @@ class PromptSubscriber:
         return accepted
 
     def _accept(self, record: Any) -> PromptUpdate | None:
-        if record.value is None:  # tombstone: the key was deleted
-            key = record.key.decode() if record.key else ""
-            self._latest.pop(key, None)
-            return None
         try:
-            update = decode(record.value, PromptUpdate)
+            update = decode_update(record)
         except DecodeError as exc:
             log.warning("undecodable prompt update skipped", offset=record.offset, reason=str(exc))
+            return None
+        if update is None:  # tombstone: the key was deleted
+            key = record.key.decode() if record.key else ""
+            self._latest.pop(key, None)
             return None
         if self._keys is not None and update.key not in self._keys:
             return None
@@ -138,3 +123,6 @@ class PromptSubscriber:
         while True:
             for update in await self._poll():
                 yield update
+
+
+__all__ = ["PromptSubscriber"]

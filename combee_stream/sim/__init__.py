@@ -11,6 +11,7 @@ from combee_stream.sim.server import (
     sim_http_client,
     sim_server,
     sim_server_blocking,
+    simulated_llm,
 )
 from combee_stream.sim.settings import FaultModel, LatencyModel, SimSettings, count_tokens
 from combee_stream.sim.traces import generate_traces
@@ -31,4 +32,5 @@ __all__ = [
     "sim_http_client",
     "sim_server",
     "sim_server_blocking",
+    "simulated_llm",
 ]

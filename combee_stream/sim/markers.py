@@ -1,5 +1,6 @@
-"""Lesson markers ``LESSON[<id>]: <text>`` (see helpers contract): how simulated traces carry
-lessons, and how the simulator and the scorer recognise them."""
+"""Lesson markers ``LESSON[<id>]: <text>``: how simulated traces carry lessons in their feedback
+text, and how the simulator (from the trace text it is shown) and the scorer recognise them. The
+product's prompts know nothing of them."""
 
 from __future__ import annotations
 

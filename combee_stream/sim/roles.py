@@ -1,4 +1,4 @@
-"""Scripted behaviour of the three LLM roles (helpers contract), as pure functions of the prompt.
+"""Scripted behaviour of the three simulated LLM roles, as pure functions of the prompt they see.
 
 The role is identified by which block the user message carries: ``<partial_updates>`` (combiner),
 ``<reflections>`` (curator) or ``<trace>`` (reflector); each tag sits on its own line.

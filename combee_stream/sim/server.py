@@ -8,14 +8,28 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx2
+import msgspec
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from combee_stream.config import LLMConfig, RoleConfig
 from combee_stream.http import HttpServer, serve_asgi
-from combee_stream.sim.app import SimApp
+from combee_stream.sim.app import CHAT_MODEL, EMBEDDING_MODEL, SimApp
 from combee_stream.sim.settings import SimSettings
 
 IN_PROCESS_BASE_URL = "http://sim.local/v1"
 _SHUTDOWN_GRACE_S = 1  # held connections (timeout faults) are cut after this long
+
+
+def simulated_llm(base_url: str, llm: LLMConfig | None = None, **overrides: Any) -> LLMConfig:
+    """``llm`` (default: the defaults) with every role and the embeddings endpoint on the
+    simulator at ``base_url`` (``llm.embeddings.enabled`` is left as it is), plus ``overrides``
+    of LLMConfig fields. The one place that wires the roles to a simulator."""
+    llm = llm or LLMConfig()
+    role = RoleConfig(base_url=base_url, model=CHAT_MODEL)
+    embeddings = msgspec.structs.replace(llm.embeddings, base_url=base_url, model=EMBEDDING_MODEL)
+    return msgspec.structs.replace(
+        llm, reflector=role, curator=role, combiner=role, embeddings=embeddings, **overrides
+    )
 
 
 def sim_app(settings: SimSettings | None = None) -> SimApp:

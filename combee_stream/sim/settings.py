@@ -7,14 +7,9 @@ with BPE tokenizers), for prompts and completions alike.
 
 from __future__ import annotations
 
-import math
-
 from msgspec import Struct, field
 
-
-def count_tokens(text: str) -> int:
-    """Simulated token count: one token per 4 characters, rounded up."""
-    return math.ceil(len(text) / 4)
+from combee_stream.tokens import estimate_tokens as count_tokens
 
 
 class LatencyModel(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -98,3 +93,6 @@ class SimSettings(Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("overload capacity must be >= 1")
         if self.time_scale <= 0:
             raise ValueError("time_scale must be > 0")
+
+
+__all__ = ["FaultModel", "LatencyModel", "SimSettings", "count_tokens"]

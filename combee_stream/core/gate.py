@@ -1,0 +1,54 @@
+"""The publish gate: the last word on a candidate playbook before it becomes a version.
+
+The learner's commit step (:meth:`combee_stream.core.learner.Learner.commit`) consults the gate
+for every window whose delta applied within the token budget, in every driver. A gate that
+refuses a candidate does not lose its traces: the window still yields a version, with the
+parent's bullets and the traces' provenance (so they are never learned again), and the refusal
+in ``UpdateStats.rejection`` as a :class:`~combee_stream.schemas.GateRejection`.
+
+A gate is any object with an async ``review``; the default, :class:`AcceptAll`, keeps the
+behaviour of a pipeline without one. Replay evaluation, canaries and approval modes are gates.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from msgspec import Struct
+
+from combee_stream.schemas import Delta, Playbook, Reflection
+
+
+class Candidate(Struct, frozen=True, kw_only=True):
+    """What a gate reviews: the playbook a window would publish, and what it came from."""
+
+    key: str
+    parent: Playbook  # the newest version, the candidate's base
+    playbook: Playbook  # parent + the window's delta, within the token budget
+    delta: Delta  # what was applied (tags, operations, provenance)
+    reflections: list[Reflection]
+
+
+class Verdict(Struct, frozen=True):
+    accepted: bool
+    reason: str = ""
+
+
+class PublishGate(Protocol):
+    """Decides whether a candidate may be published as the key's next version."""
+
+    name: str
+
+    async def review(self, candidate: Candidate) -> Verdict: ...
+
+
+class AcceptAll:
+    """The default gate: every candidate within its budget is published."""
+
+    name = "accept_all"
+
+    async def review(self, candidate: Candidate) -> Verdict:
+        return Verdict(accepted=True)
+
+
+__all__ = ["AcceptAll", "Candidate", "PublishGate", "Verdict"]

@@ -1,0 +1,153 @@
+"""A key's version chain, and the one place where a ``PromptUpdate`` is built.
+
+Every driver holds one :class:`KeyChain` per key: the engine (restored from the compacted prompts
+topic), offline ``learn`` (restored from ``history.jsonl``) and the benchmarks. A window's
+:class:`~combee_stream.core.learner.WindowResult` becomes the next version with
+:meth:`KeyChain.next_update`; the driver writes it wherever it publishes, and only once it is
+durable calls :meth:`KeyChain.advance`. An operator's re-seed (``prompts set``) goes through
+:func:`seed_update`. So the stats of a version mean the same thing whoever wrote it (see
+:class:`~combee_stream.schemas.UpdateStats`).
+
+Decisions:
+
+- ``parent_version`` is the version of the playbook the window was committed to; the first
+  learned version (1) has parent 0, the implicit empty playbook, published or not.
+- ``watermark`` carries, per traces-topic partition, the highest offset of the key's traces that
+  this version and its ancestors learned; sources without a partition (files) add nothing.
+- ``traces_learned`` counts distinct traces: a window's sources are distinct by construction,
+  and a trace at or below the watermark is never handed to a window again.
+"""
+
+from __future__ import annotations
+
+from msgspec import Struct
+
+from combee_stream.core.learner import WindowResult
+from combee_stream.core.playbook import new_playbook, render
+from combee_stream.errors import DecodeError
+from combee_stream.schemas import Playbook, PromptUpdate, UpdateStats, decode, encode, utcnow
+
+
+class WindowInfo(Struct, frozen=True, kw_only=True):
+    """What the driver knows about the window beyond its result."""
+
+    batch_size: int  # what the batch-size policy chose for it
+    delay_s: float  # wall seconds from its close to now (driver-specific)
+
+
+class KeyChain:
+    """The newest durable version of one key, as its driver holds it."""
+
+    def __init__(self, key: str, *, partition: int = -1, newest: PromptUpdate | None = None):
+        if newest is not None and newest.key != key:
+            raise ValueError(f"update of key {newest.key!r} restored into chain {key!r}")
+        self.key = key
+        self.partition = partition  # the traces partition the key lives in; -1 offline
+        self.newest = newest
+
+    @property
+    def playbook(self) -> Playbook:
+        """The newest playbook (an empty one before the first version)."""
+        return self.newest.playbook if self.newest is not None else new_playbook(self.key)
+
+    @property
+    def version(self) -> int:
+        """The newest published version; -1 before any."""
+        return self.newest.version if self.newest is not None else -1
+
+    @property
+    def watermark(self) -> int:
+        """Highest offset of this key's traces in its partition already learned; -1 for none."""
+        if self.newest is None:
+            return -1
+        return self.newest.watermark.get(self.partition, -1)
+
+    @property
+    def traces_learned(self) -> int:
+        return self.newest.stats.traces_learned if self.newest is not None else 0
+
+    def next_update(self, result: WindowResult, window: WindowInfo) -> PromptUpdate | None:
+        """The version ``result`` makes of this chain; None when the window learned nothing
+        (every reflection failed). ``result`` must be committed onto :attr:`playbook`."""
+        learned = sorted(result.learned)
+        if not learned:
+            return None
+        parent = self.playbook
+        book = result.playbook
+        if book.version != parent.version + 1:
+            raise ValueError(
+                f"{self.key}: result v{book.version} was not committed onto v{parent.version}"
+            )
+        watermark = dict(self.newest.watermark) if self.newest is not None else {}
+        for source in learned:
+            if source.partition >= 0:
+                previous = watermark.get(source.partition, -1)
+                watermark[source.partition] = max(previous, source.offset)
+        stats = result.stats
+        return PromptUpdate(
+            key=self.key,
+            version=book.version,
+            parent_version=parent.version,
+            playbook=book,
+            prompt=render(book),
+            stats=UpdateStats(
+                traces_learned=self.traces_learned + len(learned),
+                window_traces=len(learned),
+                trace_ids=[s.trace_id for s in learned],
+                strategy=stats.strategy,
+                batch_size=window.batch_size,
+                llm_calls=stats.llm_calls - stats.cached_calls,
+                cached_calls=stats.cached_calls,
+                tokens_in=stats.tokens_in,
+                tokens_out=stats.tokens_out,
+                delay_s=window.delay_s,
+                rejection=result.rejection,
+            ),
+            watermark=watermark,
+            created_at=utcnow(),
+        )
+
+    def advance(self, update: PromptUpdate) -> None:
+        """Record ``update`` as published: the chain's new head."""
+        if update.key != self.key or update.version <= self.version:
+            raise ValueError(
+                f"{self.key}: cannot advance v{self.version} to {update.key} v{update.version}"
+            )
+        self.newest = update
+
+
+def seed_update(key: str, text: str, current: PromptUpdate | None) -> PromptUpdate:
+    """The operator's system prompt ``text`` as a version of ``key``: version 0 of a new key, or
+    the next version of an existing one with the learned bullets, counters and watermark kept
+    (the caller decides whether that is allowed). Raises ``DecodeError`` for an invalid key."""
+    # Struct constructors skip constraint checks; a round trip applies them (the key format).
+    decode(encode(Playbook(key=key)), Playbook)
+    if current is None:
+        playbook = new_playbook(key, base_prompt=text)
+        # Nothing learned yet: agents get the operator's prompt verbatim.
+        return PromptUpdate(key=key, version=0, playbook=playbook, prompt=text, created_at=utcnow())
+    if current.key != key:
+        raise DecodeError(f"update of key {current.key!r} given as the current version of {key!r}")
+    learned = current.playbook
+    version = current.version + 1
+    playbook = Playbook(
+        key=key,
+        version=version,
+        base_prompt=text,
+        sections=learned.sections,
+        next_id=learned.next_id,
+    )
+    return PromptUpdate(
+        key=key,
+        version=version,
+        parent_version=current.version,
+        playbook=playbook,
+        prompt=render(playbook),
+        # A re-seed learns no trace: the cumulative count carries over, the window is empty.
+        stats=UpdateStats(traces_learned=current.stats.traces_learned),
+        watermark=current.watermark,
+        created_at=utcnow(),
+    )
+
+
+__all__ = ["KeyChain", "WindowInfo", "seed_update"]

@@ -1,0 +1,281 @@
+"""The streaming engine: traces topic in, prompt versions out, offsets committed behind them.
+
+This module is the lifecycle and the rebalancing; the work is done by its parts, all in one
+anyio task group (nothing outside it):
+
+- **intake** (:mod:`combee_stream.engine.intake`) — the poll loop, routing, backpressure;
+- **key pipelines** (:mod:`combee_stream.core.pipeline`) — one per key, the same loop offline
+  learning runs, cancelled when their partition is revoked;
+- **publisher** (:mod:`combee_stream.engine.publisher`) — the pipelines' sink: publishing,
+  parked traces, dead letters, transactional producers, the never-pretend retry loop;
+- **restorer** — partitions arrive paused from the rebalance callback (which does no slow
+  work); the restorer reads the same partition of the compacted prompts topic, restores every
+  key's newest version and watermark, then resumes the partition. A partition whose restore
+  cannot read the topic is never resumed with empty state;
+- **committer** — commits, per owned partition, the low watermark of unfinished offsets.
+
+Guarantees (see the README's "Guarantees" section): every trace is learned exactly once across
+crashes, restarts and rebalances, because (1) offsets are committed only below work whose
+PromptUpdate is published (or dead-lettered), (2) each PromptUpdate carries the highest learned
+offset of its key, and (3) a restarted or new owner restores that watermark before reading and
+skips what is below it. In ``exactly_once`` mode the publish and the offset commit are one Kafka
+transaction (one transactional id per input partition) and subscribers read committed data only.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Mapping, Sequence
+
+import anyio
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.abc import ConsumerRebalanceListener
+from aiokafka.errors import KafkaError
+from anyio.abc import TaskGroup
+
+from combee_stream.config import Config
+from combee_stream.core.learner import Learner
+from combee_stream.core.llm import LLMClient
+from combee_stream.engine.intake import MAX_POLL_RECORDS, Intake
+from combee_stream.engine.metrics import EngineMetrics
+from combee_stream.engine.partition import Partitions, PartitionState
+from combee_stream.engine.publisher import Publisher
+from combee_stream.errors import EngineHalted
+from combee_stream.kafka.client import client_kwargs, stop_quietly
+from combee_stream.kafka.subscriber import PromptSubscriber
+from combee_stream.kafka.topics import ensure_topics
+from combee_stream.logs import get_logger
+
+log = get_logger(__name__)
+
+
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    async def on_partitions_revoked(self, revoked: Sequence[TopicPartition]) -> None:
+        await self._engine._revoke([tp.partition for tp in revoked])
+
+    async def on_partitions_assigned(self, assigned: Sequence[TopicPartition]) -> None:
+        await self._engine._assign([tp.partition for tp in assigned])
+
+
+class Engine:
+    """``await Engine(config).run()`` until ``stop()`` (or SIGTERM with ``handle_signals``).
+
+    Raises :class:`~combee_stream.errors.EngineHalted` when it stopped itself (the broker
+    unreachable past ``engine.broker_deadline_s``), and ``MissingEndpointError`` at construction
+    when an LLM role it needs has no endpoint."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        llm: LLMClient | None = None,
+        env: Mapping[str, str] | None = None,
+        handle_signals: bool = False,
+    ) -> None:
+        self.config = config
+        self._env = env
+        self._llm = llm or LLMClient(config.llm, env=env)
+        self._owns_llm = llm is None
+        self.metrics = EngineMetrics()
+        self._handle_signals = handle_signals
+        self._eos = config.engine.processing_guarantee == "exactly_once"
+        kafka = config.kafka
+        self._consumer = AIOKafkaConsumer(
+            **client_kwargs(kafka, env),
+            group_id=kafka.group_id,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            isolation_level="read_committed",
+            max_poll_records=MAX_POLL_RECORDS,
+            session_timeout_ms=kafka.session_timeout_ms,
+            heartbeat_interval_ms=max(300, kafka.session_timeout_ms // 4),
+        )
+        self._partitions: Partitions = {}
+        self._publisher = Publisher(config, self._partitions, self.metrics, self._llm, env)
+        learner = Learner.from_config(config, self._llm)
+        self._intake = Intake(
+            config, self._consumer, self._partitions, learner, self._publisher, self.metrics
+        )
+        self._generation = 0
+        self._restore_send, self._restore_recv = anyio.create_memory_object_stream[int](1000)
+        self._tg: TaskGroup | None = None
+        self._stopping = anyio.Event()
+        self.started = anyio.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def stop(self) -> None:
+        """Begin a graceful shutdown: stop intake, finish in-flight windows, commit, close."""
+        self._stopping.set()
+
+    async def run(self) -> None:
+        cfg = self.config
+        await ensure_topics(cfg.kafka, self._env)
+        await self._publisher.start()
+        self._consumer.subscribe([cfg.kafka.traces_topic], listener=_Rebalance(self))
+        await self._consumer.start()
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                if self._handle_signals:
+                    tg.start_soon(self._watch_signals)
+                if cfg.engine.metrics_port:
+                    tg.start_soon(self._serve_metrics)
+                tg.start_soon(self._restorer)
+                tg.start_soon(self._committer)
+                self.started.set()
+                log.info(
+                    "engine started",
+                    traces=cfg.kafka.traces_topic,
+                    prompts=cfg.kafka.prompts_topic,
+                    guarantee=cfg.engine.processing_guarantee,
+                    strategy=cfg.learning.strategy,
+                )
+                await self._intake.run(tg, self._stopping)
+                await self._drain()
+                tg.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            halted = group.subgroup(EngineHalted)
+            if halted is None:
+                raise
+            # One clear error instead of a task-group traceback: the first reason it stopped.
+            first: BaseException = halted
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first from None
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._close()
+
+    async def _close(self) -> None:
+        # Bounded: with the broker gone, each close waits for its request timeout at most once.
+        with anyio.move_on_after(self.config.engine.shutdown_grace_s):
+            await self._commit(final=True)
+            await self._publisher.close()
+            await stop_quietly(self._consumer)
+        if self._owns_llm:
+            await self._llm.aclose()
+        self.metrics.health.assigned = False
+        log.info("engine stopped")
+
+    async def _drain(self) -> None:
+        """Flush open windows and give in-flight ones ``shutdown_grace_s`` to publish."""
+        keys = self._intake.keys
+        log.info("draining", keys=len(keys))
+        self._intake.close_inboxes()
+        with anyio.move_on_after(self.config.engine.shutdown_grace_s) as scope:
+            for entry in list(keys.values()):
+                await entry.pipeline.finished.wait()
+        if scope.cancel_called:
+            log.warning("shutdown grace expired: abandoning unpublished windows")
+
+    async def _watch_signals(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("signal received: shutting down", signal=signal.Signals(signum).name)
+                self.stop()
+                return
+
+    async def _serve_metrics(self) -> None:
+        from combee_stream.http import serve_asgi
+
+        cfg = self.config.engine
+        async with serve_asgi(self.metrics.asgi_app(), cfg.metrics_host, cfg.metrics_port) as url:
+            log.info("metrics endpoint", url=f"{url}/metrics")
+            await anyio.sleep_forever()
+
+    # ------------------------------------------------------------------ rebalancing
+
+    async def _assign(self, partitions: Sequence[int]) -> None:
+        """Rebalance callback: only bookkeeping. Restoring happens in the restorer task."""
+        topic = self.config.kafka.traces_topic
+        self._consumer.pause(*[TopicPartition(topic, p) for p in partitions])
+        for p in partitions:
+            self._generation += 1
+            self._partitions[p] = PartitionState(p, self._generation)
+            self._restore_send.send_nowait(p)
+        log.info("partitions assigned", partitions=sorted(partitions))
+
+    async def _revoke(self, partitions: Sequence[int]) -> None:
+        """Rebalance callback: stop publishing for these partitions, commit what is done."""
+        for p in partitions:
+            state = self._partitions.get(p)
+            if state is None:
+                continue
+            async with state.lock:  # waits for at most one publish attempt in progress
+                state.owned = False
+            for scope in state.workers:
+                scope.cancel()
+        await self._commit(final=True, only=partitions)
+        for p in partitions:
+            self._partitions.pop(p, None)
+            if self._tg is not None:
+                self._publisher.drop_partition(p, self._tg)
+        self._intake.drop_partitions(partitions)
+        self.metrics.health.assigned = any(s.restored.is_set() for s in self._partitions.values())
+        log.info("partitions revoked", partitions=sorted(partitions))
+
+    async def _restorer(self) -> None:
+        async for p in self._restore_recv:
+            state = self._partitions.get(p)
+            if state is None or not state.owned:
+                continue
+
+            async def restore(state: PartitionState = state) -> None:
+                async with PromptSubscriber(
+                    self.config.kafka, partitions={state.partition}, env=self._env
+                ) as prompts:
+                    state.restored_updates = prompts.snapshot()
+                if self._eos:
+                    await self._publisher.txn_producer(state.partition)
+
+            # Retried while owned; past the deadline the engine halts. Never resumed unrestored.
+            if not await self._publisher.persist("restore", state, restore):
+                continue  # revoked while restoring
+            if self._partitions.get(p) is not state:
+                continue
+            state.restored.set()
+            self._intake.resume(p)
+            self.metrics.health.assigned = True
+            log.info("partition restored", partition=p, keys=len(state.restored_updates))
+
+    # ------------------------------------------------------------------ commits
+
+    async def _committer(self) -> None:
+        while True:
+            await anyio.sleep(1.0)
+            await self._commit()
+
+    async def _commit(self, *, final: bool = False, only: Sequence[int] | None = None) -> None:
+        if self._eos:
+            return  # offsets are committed inside the publishing transactions
+        topic = self.config.kafka.traces_topic
+        offsets: dict[TopicPartition, int] = {}
+        for p, state in self._partitions.items():
+            if only is not None and p not in only:
+                continue
+            at = state.offsets.committable()
+            if at is not None and at > state.committed:
+                offsets[TopicPartition(topic, p)] = at
+        if not offsets:
+            return
+        try:
+            await self._consumer.commit(offsets)
+        except KafkaError as exc:
+            # Safe to retry at the next tick: committing less than is done loses nothing.
+            self.metrics.broker_failures.labels("commit").inc()
+            log.warning("commit failed; will retry", error=str(exc), final=final)
+            return
+        for tp, at in offsets.items():
+            owned = self._partitions.get(tp.partition)
+            if owned is not None:
+                owned.committed = at
+                hw = self._consumer.highwater(tp)
+                if hw is not None:
+                    self.metrics.consumer_lag.labels(str(tp.partition)).set(max(0, hw - at))
+
+
+__all__ = ["Engine"]

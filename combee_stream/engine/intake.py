@@ -1,0 +1,180 @@
+"""Intake: the poll loop, routing to the key pipelines, and backpressure.
+
+The poll loop is the only reader of the engine's consumer. It decodes each record through the
+configured trace format, parks a bad one in the DLQ, skips a trace at or below its key's
+restored watermark (learned before a crash or a rebalance) and hands the rest to the key's
+pipeline, started on the key's first trace with its chain restored. It never calls an LLM.
+When ``engine.queue_size`` traces are buffered it pauses the owned partitions instead of
+blocking (the consumer keeps its group membership) and resumes them below half of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectSendStream
+
+from combee_stream.config import Config
+from combee_stream.core.controller import batch_policy
+from combee_stream.core.learner import Learner
+from combee_stream.core.pipeline import KeyPipeline, Pending, PipelineSettings
+from combee_stream.core.versions import KeyChain
+from combee_stream.engine.metrics import EngineMetrics
+from combee_stream.engine.partition import Partitions, PartitionState
+from combee_stream.engine.publisher import Publisher
+from combee_stream.formats import get_format
+from combee_stream.kafka.dlq import DeadLetter
+from combee_stream.kafka.ingest import classify
+from combee_stream.logs import get_logger
+
+log = get_logger(__name__)
+
+MAX_POLL_RECORDS = 500  # one poll can land this many past the backpressure threshold
+
+
+class KeyEntry:
+    """A key this instance learns: its chain, its pipeline and the inbox feeding it."""
+
+    def __init__(
+        self, chain: KeyChain, pipeline: KeyPipeline, inbox: MemoryObjectSendStream[Pending]
+    ) -> None:
+        self.chain = chain
+        self.pipeline = pipeline
+        self.inbox = inbox
+
+
+def pipeline_settings(config: Config) -> PipelineSettings:
+    engine = config.engine
+    return PipelineSettings(
+        pipelined=engine.pipelined,
+        max_windows_in_flight=engine.max_windows_in_flight,
+        max_wait_s=engine.max_wait_s,
+        attempts=config.learning.max_attempts,
+        grow_with_backlog=True,
+    )
+
+
+class Intake:
+    def __init__(
+        self,
+        config: Config,
+        consumer: AIOKafkaConsumer,
+        partitions: Partitions,
+        learner: Learner,
+        publisher: Publisher,
+        metrics: EngineMetrics,
+    ) -> None:
+        self._config = config
+        self._consumer = consumer
+        self._partitions = partitions
+        self._learner = learner
+        self._publisher = publisher
+        self._metrics = metrics
+        self._format = get_format(config.kafka.traces_format)
+        self._settings = pipeline_settings(config)
+        self.keys: dict[str, KeyEntry] = {}
+        self.paused_for_backpressure = False
+        self._tg: TaskGroup | None = None
+
+    async def run(self, tg: TaskGroup, stopping: anyio.Event) -> None:
+        """Poll until ``stopping``; key pipelines are started in ``tg``."""
+        self._tg = tg
+        queue_size = self._config.engine.queue_size
+        while not stopping.is_set():
+            try:
+                batches = await self._consumer.getmany(timeout_ms=200)
+            except KafkaError as exc:
+                log.warning("poll failed, retrying", error=str(exc))
+                await anyio.sleep(0.5)
+                continue
+            for tp, records in batches.items():
+                state = self._partitions.get(tp.partition)
+                if state is None or not state.owned:
+                    continue
+                for record in records:
+                    await self._route(state, record)
+            self._backpressure(queue_size)
+
+    def close_inboxes(self) -> None:
+        """The flush: each pipeline drains what is buffered, closes its open window at once and
+        finishes when its in-flight windows are published."""
+        for entry in self.keys.values():
+            entry.inbox.close()
+
+    def drop_partitions(self, partitions: Sequence[int]) -> None:
+        """Forget the keys of revoked partitions (their pipelines are already cancelled)."""
+        for key in [k for k, e in self.keys.items() if e.chain.partition in partitions]:
+            self.keys.pop(key).inbox.close()
+
+    def resume(self, partition: int) -> None:
+        """A restored partition starts reading, unless backpressure holds (then later)."""
+        if not self.paused_for_backpressure:
+            self._consumer.resume(TopicPartition(self._config.kafka.traces_topic, partition))
+
+    @property
+    def buffered(self) -> int:
+        """Traces read and not yet done (learned and published, parked or skipped) in the
+        partitions this instance owns: what intake must bound."""
+        return sum(part.offsets.pending for part in self._partitions.values())
+
+    def _backpressure(self, queue_size: int) -> None:
+        topic = self._config.kafka.traces_topic
+        owned = [TopicPartition(topic, p) for p, s in self._partitions.items() if s.owned]
+        buffered = self.buffered
+        if self.paused_for_backpressure:
+            self._consumer.pause(*owned)  # idempotent; covers partitions assigned meanwhile
+        if not self.paused_for_backpressure and buffered >= queue_size:
+            self._consumer.pause(*owned)
+            self.paused_for_backpressure = True
+            self._metrics.backpressure_pauses.inc()
+            log.info("backpressure: partitions paused", buffered=buffered)
+        elif self.paused_for_backpressure and buffered < queue_size // 2:
+            restored = [tp for tp in owned if self._partitions[tp.partition].restored.is_set()]
+            self._consumer.resume(*restored)
+            self.paused_for_backpressure = False
+            log.info("backpressure: partitions resumed", buffered=buffered)
+        self._metrics.buffered.set(buffered)
+
+    async def _route(self, part: PartitionState, record: Any) -> None:
+        part.offsets.read(record.offset)
+        self._metrics.traces_in.labels(str(record.partition)).inc()
+        item = classify(record, self._format)
+        if isinstance(item, DeadLetter):
+            await self._publisher.dead_letter(part, item)
+            return
+        key = item.trace.key
+        entry = self.keys.get(key)
+        if entry is None:
+            entry = self._start_key(key, part)
+        if record.offset <= entry.chain.watermark:
+            # Learned before a crash or a rebalance: its version is already published.
+            self._metrics.traces_skipped.inc()
+            part.offsets.done(record.offset)
+            return
+        entry.inbox.send_nowait(Pending(item.trace, item.source, anyio.current_time()))
+
+    def _start_key(self, key: str, part: PartitionState) -> KeyEntry:
+        chain = KeyChain(key, partition=part.partition, newest=part.restored_updates.get(key))
+        # Room for everything buffered engine-wide: pausing bounds the total, not one key.
+        send, recv = anyio.create_memory_object_stream[Pending](
+            self._config.engine.queue_size + MAX_POLL_RECORDS
+        )
+        policy = batch_policy(self._config.learning, key=key)
+        pipeline = KeyPipeline(chain, self._learner, policy, self._publisher, recv, self._settings)
+        entry = self.keys[key] = KeyEntry(chain, pipeline, send)
+        assert self._tg is not None
+        self._tg.start_soon(self._run_pipeline, pipeline, part)
+        return entry
+
+    async def _run_pipeline(self, pipeline: KeyPipeline, part: PartitionState) -> None:
+        with anyio.CancelScope() as scope:
+            part.workers.append(scope)
+            await pipeline.run()
+
+
+__all__ = ["MAX_POLL_RECORDS", "Intake", "KeyEntry", "pipeline_settings"]

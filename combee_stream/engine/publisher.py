@@ -1,0 +1,288 @@
+"""Everything the engine writes to Kafka: prompt versions, parked traces, dead letters.
+
+The :class:`Publisher` is the key pipelines' :class:`~combee_stream.core.pipeline.Sink`. It owns
+the producers (one plain idempotent producer; in ``exactly_once`` mode one transactional
+producer per input partition) and the one retry loop, :meth:`Publisher.persist`, that every
+write (and the restorer's read) goes through:
+
+- it retries with capped backoff for as long as the engine owns the partition; a revoked
+  partition ends it with ``False`` and nothing is marked done;
+- while it fails, ``/readyz`` says not ready and ``combee_broker_failures_total{op}`` counts;
+- after ``engine.broker_deadline_s`` of continuous failure it raises
+  :class:`~combee_stream.errors.BrokerUnavailableError`, which stops the engine with a non-zero
+  exit. It never ends by acting as if the write had happened: an offset is marked done only
+  after its version is published (or its dead letter written).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import anyio
+from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError, ProducerFenced
+
+from combee_stream.config import Config
+from combee_stream.core.learner import FailedTrace
+from combee_stream.core.llm import LLMClient
+from combee_stream.core.pipeline import Window
+from combee_stream.core.playbook import playbook_tokens
+from combee_stream.core.versions import KeyChain
+from combee_stream.engine.metrics import EngineMetrics
+from combee_stream.engine.partition import Partitions, PartitionState
+from combee_stream.errors import BrokerUnavailableError
+from combee_stream.kafka.client import stop_quietly
+from combee_stream.kafka.dlq import DeadLetter, send_dead_letter
+from combee_stream.kafka.producer import make_producer
+from combee_stream.logs import get_logger
+from combee_stream.retry import RetryPolicy
+from combee_stream.schemas import PromptUpdate, Trace, encode
+
+log = get_logger(__name__)
+
+# While the broker is unreachable: 0.2 s, 0.4 s, ... capped at 5 s (with full jitter).
+BROKER_RETRY = RetryPolicy(base_s=0.2, max_s=5.0)
+
+
+class Publisher:
+    def __init__(
+        self,
+        config: Config,
+        partitions: Partitions,
+        metrics: EngineMetrics,
+        llm: LLMClient,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self._config = config
+        self._partitions = partitions
+        self._metrics = metrics
+        self._llm = llm
+        self._env = env
+        self._eos = config.engine.processing_guarantee == "exactly_once"
+        self._producer = make_producer(config.kafka, env)
+        self._txn_producers: dict[int, AIOKafkaProducer] = {}
+        self._rng = random.Random()
+
+    async def start(self) -> None:
+        await self._producer.start()
+
+    async def close(self) -> None:
+        for producer in [*self._txn_producers.values(), self._producer]:
+            await stop_quietly(producer)
+        self._txn_producers.clear()
+
+    # ------------------------------------------------------------------ the retry loop
+
+    async def persist(
+        self,
+        op: str,
+        part: PartitionState,
+        attempt_once: Callable[[], Awaitable[None]],
+        *,
+        locked: bool = False,
+    ) -> bool:
+        """Run ``attempt_once`` until it succeeds (True) or ``part`` is revoked (False);
+        past the broker deadline raise BrokerUnavailableError. ``locked``: hold the partition's
+        publish lock for each attempt, so revocation waits for it and then stops the loop."""
+        deadline = self._config.engine.broker_deadline_s
+        health = self._metrics.health
+        failing_since: float | None = None
+        attempt = 0
+        try:
+            while True:
+                async with part.lock if locked else contextlib.nullcontext():
+                    if not part.owned:
+                        return False
+                    try:
+                        await attempt_once()
+                    except ProducerFenced:
+                        # A newer owner initialised this partition's transactional id: this
+                        # instance is a zombie for it. Publish nothing more; the rebalance that
+                        # follows revokes the partition.
+                        log.warning(
+                            "producer fenced: partition lost", op=op, partition=part.partition
+                        )
+                        part.owned = False
+                        return False
+                    except KafkaError as exc:
+                        error = exc
+                    else:
+                        if failing_since is not None:
+                            log.info("kafka reachable again", op=op, partition=part.partition)
+                        return True
+                attempt += 1
+                now = anyio.current_time()
+                if failing_since is None:
+                    failing_since = now
+                    health.failing[op] += 1
+                self._metrics.broker_failures.labels(op).inc()
+                failed_for = now - failing_since
+                if deadline and failed_for >= deadline:
+                    log.error(
+                        "engine halted: kafka unavailable past the deadline",
+                        op=op,
+                        partition=part.partition,
+                        failed_for_s=round(failed_for, 1),
+                        deadline_s=deadline,
+                        error=str(error),
+                    )
+                    raise BrokerUnavailableError(
+                        f"could not {op} on partition {part.partition} for {failed_for:.0f} s "
+                        f"(engine.broker_deadline_s = {deadline:g}): {error}"
+                    )
+                delay = BROKER_RETRY.delay(attempt, self._rng)
+                log.warning(
+                    f"{op} failed, retrying",
+                    partition=part.partition,
+                    attempt=attempt,
+                    error=str(error),
+                    backoff_s=round(delay, 2),
+                )
+                await anyio.sleep(delay)
+        finally:
+            if failing_since is not None:
+                health.failing[op] -= 1
+
+    # ------------------------------------------------------------------ Sink
+
+    async def publish(self, chain: KeyChain, update: PromptUpdate, window: Window) -> bool:
+        part = self._partitions.get(chain.partition)
+        if part is None:
+            return False
+        learned = window.result.learned if window.result is not None else []
+
+        async def send() -> None:
+            await self._send_update(part, update, learned)
+
+        if not await self.persist("publish", part, send, locked=True):
+            log.info("partition revoked: window abandoned", key=chain.key, window=window.number)
+            return False
+        self._observe(update, window)
+        return True
+
+    async def park(
+        self, chain: KeyChain, failed: Sequence[tuple[FailedTrace, Trace]], stage: str
+    ) -> None:
+        part = self._partitions.get(chain.partition)
+        if part is None or not part.owned:
+            return  # revoked: the partition's next owner reads these traces again
+        for failure, trace in failed:
+            # The original trace, byte for byte as the engine reads it, so it can be replayed.
+            letter = DeadLetter(
+                reason=failure.reason,
+                stage=stage,
+                topic=self._config.kafka.traces_topic,
+                partition=failure.source.partition,
+                offset=failure.source.offset,
+                key=chain.key.encode(),
+                value=encode(trace),
+            )
+            if not await self.dead_letter(part, letter):
+                return
+
+    async def dead_letter(self, part: PartitionState, letter: DeadLetter) -> bool:
+        """Write ``letter`` and mark its offset done; False (nothing marked) when revoked."""
+
+        async def send() -> None:
+            await send_dead_letter(self._producer, self._config.kafka.dlq_topic, letter)
+
+        if not await self.persist("dlq", part, send):
+            return False
+        self._metrics.dlq.labels(letter.stage).inc()
+        part.offsets.done(letter.offset)
+        return True
+
+    # ------------------------------------------------------------------ producers
+
+    async def txn_producer(self, partition: int) -> AIOKafkaProducer:
+        producer = self._txn_producers.get(partition)
+        if producer is None:
+            kafka = self._config.kafka
+            # One transactional id per input partition: a zombie owner of the same partition
+            # is fenced when the new owner initialises its producer.
+            producer = make_producer(
+                kafka,
+                self._env,
+                transactional_id=f"{kafka.group_id}.{kafka.traces_topic}.{partition}",
+            )
+            try:
+                await producer.start()
+            except BaseException:
+                await stop_quietly(producer)
+                raise
+            self._txn_producers[partition] = producer
+        return producer
+
+    def drop_partition(self, partition: int, tg: Any) -> None:
+        """Forget a revoked partition's transactional producer (closed in the background)."""
+        producer = self._txn_producers.pop(partition, None)
+        if producer is not None:
+            tg.start_soon(stop_quietly, producer)
+
+    async def _send_update(
+        self, part: PartitionState, update: PromptUpdate, learned: Sequence[Any]
+    ) -> None:
+        topic = self._config.kafka.prompts_topic
+        value, key = encode(update), update.key.encode()
+        if not self._eos:
+            await self._producer.send_and_wait(
+                topic, value=value, key=key, partition=part.partition
+            )
+            for source in learned:
+                part.offsets.done(source.offset)
+            return
+        producer = await self.txn_producer(part.partition)
+        for source in learned:
+            part.offsets.done(source.offset)
+        commit_at = part.offsets.committable()
+        assert commit_at is not None  # the learned offsets were read
+        try:
+            async with producer.transaction():
+                await producer.send(topic, value=value, key=key, partition=part.partition)
+                tp = TopicPartition(self._config.kafka.traces_topic, part.partition)
+                await producer.send_offsets_to_transaction(
+                    {tp: commit_at}, self._config.kafka.group_id
+                )
+        except BaseException:
+            for source in learned:  # not published: still pending
+                part.offsets.read(source.offset)
+            raise
+        part.committed = max(part.committed, commit_at)
+
+    # ------------------------------------------------------------------ metrics
+
+    def _observe(self, update: PromptUpdate, window: Window) -> None:
+        m, key, now = self._metrics, update.key, anyio.current_time()
+        bullets = sum(len(s.bullets) for s in update.playbook.sections)
+        m.windows.labels(key).inc()
+        m.prompt_version.labels(key).set(update.version)
+        m.playbook_bullets.labels(key).set(bullets)
+        m.playbook_tokens.labels(key).set(playbook_tokens(update.playbook))
+        m.batch_size.labels(key).set(update.stats.batch_size)
+        m.publish_lag.observe(now - window.closed_at)
+        learned = set(update.stats.trace_ids)
+        for item in window.items:
+            if item.source.trace_id in learned:
+                m.trace_to_publish.observe(now - item.read_at)
+        for role, usage in self._llm.usage().items():
+            m.llm_calls.labels(role).set(usage.calls)
+            m.llm_tokens.labels(role, "in").set(usage.tokens_in)
+            m.llm_tokens.labels(role, "out").set(usage.tokens_out)
+            m.llm_cost.labels(role).set(usage.cost_usd)
+            m.llm_latency.labels(role).set(usage.latency_s)
+        log.info(
+            "version published",
+            key=key,
+            version=update.version,
+            window=window.number,
+            traces=update.stats.window_traces,
+            bullets=bullets,
+            batch_size=update.stats.batch_size,
+            rejection=update.stats.rejection.kind if update.stats.rejection else None,
+        )
+
+
+__all__ = ["BROKER_RETRY", "Publisher"]

@@ -1,0 +1,126 @@
+"""Operator commands on a key's prompt versions: ``prompts set`` (start or re-seed a key from
+your own system prompt) and ``inspect`` (the newest prompt, the versions on the topic, diffs)."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import sys
+from typing import Any
+
+import anyio
+
+from combee_stream.config import Config
+from combee_stream.core.versions import seed_update
+from combee_stream.errors import DecodeError, UserError
+from combee_stream.kafka.producer import make_producer, publish_update
+from combee_stream.kafka.reader import read_updates
+from combee_stream.kafka.subscriber import PromptSubscriber
+from combee_stream.schemas import PromptUpdate, encode
+
+
+def register(sub: Any) -> None:
+    prompts = sub.add_parser("prompts", help="operate on prompt versions")
+    prompts_sub = prompts.add_subparsers(dest="prompts_command", required=True)
+    seed = prompts_sub.add_parser(
+        "set", help="publish a seed prompt (version 0) for a key from your own system prompt"
+    )
+    seed.add_argument("key")
+    seed.add_argument("file", help="text file holding the system prompt")
+    seed.add_argument(
+        "--force",
+        action="store_true",
+        help="key already has versions: publish the new base prompt as the next version, "
+        "keeping the learned bullets",
+    )
+    seed.set_defaults(handler=_prompts_set)
+
+    inspect = sub.add_parser("inspect", help="show a key's playbook, versions and a diff")
+    inspect.add_argument("key")
+    inspect.add_argument(
+        "--diff", nargs=2, type=int, metavar=("OLD", "NEW"), help="diff two versions' prompts"
+    )
+    inspect.add_argument("--json", action="store_true", help="print the newest update as JSON")
+    inspect.set_defaults(handler=_inspect)
+
+
+async def _prompts_set(args: argparse.Namespace, config: Config) -> int:
+    try:
+        text = await anyio.Path(args.file).read_text()
+    except FileNotFoundError:
+        raise UserError(f"{args.file}: file not found") from None
+    update = await seed_prompt(config, args.key, text, force=args.force)
+    print(encode(update).decode())
+    return 0
+
+
+async def seed_prompt(config: Config, key: str, text: str, *, force: bool = False) -> PromptUpdate:
+    """Publish the operator's system prompt for ``key`` (version 0, or the next one with force)."""
+    async with PromptSubscriber(config.kafka, keys={key}) as prompts:
+        current = prompts.latest(key)
+    if current is not None and not force:
+        raise UserError(
+            f"key {key!r} already has version {current.version}; use --force to publish this "
+            "base prompt as the next version (learned bullets are kept)"
+        )
+    try:
+        update = seed_update(key, text, current)
+    except DecodeError as exc:
+        raise UserError(f"invalid key {key!r}: {exc}") from None
+    producer = make_producer(config.kafka)
+    await producer.start()
+    try:
+        await publish_update(producer, config.kafka.prompts_topic, update)
+    finally:
+        await producer.stop()
+    return update
+
+
+async def read_versions(config: Config, key: str) -> list[PromptUpdate]:
+    """Every version of ``key`` still on the prompts topic (compaction keeps the newest)."""
+    versions = {u.version: u for u in await read_updates(config.kafka, keys={key})}
+    return [versions[v] for v in sorted(versions)]
+
+
+async def _inspect(args: argparse.Namespace, config: Config) -> int:
+    versions = await read_versions(config, args.key)
+    if not versions:
+        raise UserError(f"no versions of key {args.key!r} on {config.kafka.prompts_topic}")
+    by_version = {u.version: u for u in versions}
+    newest = versions[-1]
+    out = sys.stdout
+    if args.json:
+        out.write(json.dumps(json.loads(encode(newest)), indent=2) + "\n")
+        return 0
+    if args.diff:
+        old, new = args.diff
+        missing = [v for v in (old, new) if v not in by_version]
+        if missing:
+            raise UserError(
+                f"versions {missing} are not on the topic (compaction keeps only recent ones); "
+                f"available: {sorted(by_version)}"
+            )
+        diff = difflib.unified_diff(
+            by_version[old].prompt.splitlines(),
+            by_version[new].prompt.splitlines(),
+            f"{args.key} v{old}",
+            f"{args.key} v{new}",
+            lineterm="",
+        )
+        out.write("\n".join(diff) + "\n")
+        return 0
+    out.write(f"# {args.key} — version {newest.version}\n\n")
+    out.write(newest.prompt.rstrip() + "\n\n## versions on the topic\n\n")
+    out.write("version  parent  traces  learned  window  bullets  created\n")
+    for u in versions:
+        bullets = sum(len(s.bullets) for s in u.playbook.sections)
+        created = u.created_at.isoformat(timespec="seconds") if u.created_at else "-"
+        out.write(
+            f"{u.version:>7}  {u.parent_version:>6}  {u.stats.traces_learned:>6}  "
+            f"{u.stats.window_traces:>7}  {u.stats.batch_size:>6}  {bullets:>7}  {created}\n"
+        )
+    return 0
+
+
+__all__ = ["read_versions", "register", "seed_prompt"]

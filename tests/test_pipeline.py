@@ -1,0 +1,286 @@
+"""The key pipeline on its own (no Kafka, no files): windows, order, failures, the sink's say,
+the gate and the batch policy, against the simulator in process."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+
+from combee_stream.config import Config, LearningConfig
+from combee_stream.core.controller import Decision, FixedBatch
+from combee_stream.core.gate import Candidate, Verdict
+from combee_stream.core.learner import FailedTrace, Learner, Proposal, WindowError, WindowStats
+from combee_stream.core.llm import LLMClient
+from combee_stream.core.pipeline import (
+    KeyPipeline,
+    MemorySink,
+    Pending,
+    PipelineSettings,
+    Window,
+    closed_inbox,
+)
+from combee_stream.core.prompts import ReflectionRecord
+from combee_stream.core.versions import KeyChain
+from combee_stream.schemas import GateRejection, Playbook, PromptUpdate, Source, Trace
+from combee_stream.sim import (
+    IN_PROCESS_BASE_URL,
+    SimSettings,
+    generate_traces,
+    sim_http_client,
+    simulated_llm,
+)
+from combee_stream.sim.markers import retained_ids
+
+KEY = "sim-k0"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def config(**learning: Any) -> Config:
+    return Config(
+        llm=simulated_llm(IN_PROCESS_BASE_URL), learning=LearningConfig(seed=1, **learning)
+    )
+
+
+@asynccontextmanager
+async def client() -> AsyncIterator[LLMClient]:
+    async with sim_http_client(SimSettings(seed=1)) as http:
+        llm = LLMClient(config().llm, http_client=http, env={})
+        try:
+            yield llm
+        finally:
+            await llm.aclose()
+
+
+def items(n: int, lessons: int | None = None) -> list[tuple[Trace, Source]]:
+    traces = generate_traces(n, 1, lessons or n, seed=1)
+    return [(t, Source(t.trace_id, 0, i)) for i, t in enumerate(traces)]
+
+
+class RecordingPolicy(FixedBatch):
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.observed: list[int] = []
+
+    def observe(self, batch_size: int, delay_s: float) -> Decision | None:
+        assert delay_s > 0
+        self.observed.append(batch_size)
+        return None
+
+
+SYNC = PipelineSettings(pipelined=False, max_windows_in_flight=1, attempts=2)
+PIPELINED = PipelineSettings(pipelined=True, max_windows_in_flight=3, attempts=2)
+
+
+def check_chain(updates: Sequence[PromptUpdate], learned: int) -> None:
+    assert [u.version for u in updates] == list(range(1, len(updates) + 1))
+    assert [u.parent_version for u in updates] == list(range(len(updates)))
+    total = 0
+    for u in updates:
+        total += u.stats.window_traces
+        assert u.stats.traces_learned == total
+        assert u.playbook.version == u.version
+    assert total == learned
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("settings", [SYNC, PIPELINED], ids=["synchronous", "pipelined"])
+async def test_windows_close_at_the_policy_size_and_publish_in_order(
+    settings: PipelineSettings,
+) -> None:
+    async with client() as llm:
+        sink, policy = MemorySink(), RecordingPolicy(4)
+        chain = KeyChain(KEY, partition=0)
+        learner = Learner.from_config(config(), llm)
+        pipeline = KeyPipeline(chain, learner, policy, sink, closed_inbox(items(10)), settings)
+        await pipeline.run()
+    check_chain(sink.updates, 10)
+    assert [len(w.items) for w in sink.windows] == [4, 4, 2]  # the last one at end of input
+    assert [u.stats.batch_size for u in sink.updates] == [4, 4, 4]
+    assert policy.observed == [4, 4, 2], "the policy sees every published window"
+    assert chain.newest == sink.updates[-1]
+    assert chain.watermark == 9  # the highest offset learned, in the chain's partition
+    assert len(retained_ids(chain.playbook)) == 10
+
+
+@pytest.mark.anyio
+async def test_window_closes_at_max_wait_with_what_it_has() -> None:
+    async with client() as llm:
+        sink = MemorySink()
+        send, recv = anyio.create_memory_object_stream[Pending](10)
+        settings = PipelineSettings(max_wait_s=0.3, attempts=1)
+        learner = Learner.from_config(config(), llm)
+        pipeline = KeyPipeline(KeyChain(KEY), learner, FixedBatch(50), sink, recv, settings)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pipeline.run)
+            for trace, source in items(3):
+                send.send_nowait(Pending(trace, source, anyio.current_time()))
+            with anyio.fail_after(10):
+                while not sink.updates:
+                    await anyio.sleep(0.02)
+            assert not pipeline.finished.is_set(), "the inbox is open: the pipeline waits on"
+            send.close()
+    assert [len(w.items) for w in sink.windows] == [3]
+    assert sink.updates[0].stats.batch_size == 50
+
+
+class SlowFirstWindow(Learner):
+    """Reduces the first window slowly, so the second one is ready first."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+        self.finished: list[int] = []
+
+    async def reduce(
+        self,
+        snapshot: Playbook,
+        reflected: Sequence[ReflectionRecord],
+        failed: Sequence[FailedTrace],
+        stats: WindowStats,
+        **kwargs: Any,
+    ) -> Proposal:
+        self.calls += 1
+        number = self.calls
+        if number == 1:
+            await anyio.sleep(0.5)
+        proposal = await super().reduce(snapshot, reflected, failed, stats, **kwargs)
+        self.finished.append(number)
+        return proposal
+
+
+@pytest.mark.anyio
+async def test_a_window_that_finishes_first_still_publishes_after_its_predecessor() -> None:
+    async with client() as llm:
+        sink = MemorySink()
+        cfg = config()
+        learner = SlowFirstWindow(llm, cfg.learning)
+        batch = items(6)
+        pipeline = KeyPipeline(
+            KeyChain(KEY), learner, FixedBatch(3), sink, closed_inbox(batch), PIPELINED
+        )
+        await pipeline.run()
+    check_chain(sink.updates, 6)
+    assert learner.finished == [2, 1], "the second window was reduced first"
+    first, second = ([p.trace.trace_id for p in w.items] for w in sink.windows)
+    assert first == [t.trace_id for t, _ in batch[:3]]
+    assert second == [t.trace_id for t, _ in batch[3:]]
+    # the second window was computed on v0 too, then rebased onto v1: nothing lost
+    assert len(retained_ids(sink.updates[-1].playbook)) == 6
+
+
+class RefusingSink(MemorySink):
+    """Takes ``accept`` versions, then answers that it no longer publishes for the key."""
+
+    def __init__(self, accept: int) -> None:
+        super().__init__()
+        self.accept = accept
+        self.refused: list[PromptUpdate] = []
+
+    async def publish(self, chain: KeyChain, update: PromptUpdate, window: Window) -> bool:
+        if len(self.updates) >= self.accept:
+            self.refused.append(update)
+            return False
+        return await super().publish(chain, update, window)
+
+
+@pytest.mark.anyio
+async def test_a_refused_version_is_not_the_chains_and_nothing_after_it_is_published() -> None:
+    async with client() as llm:
+        sink, chain = RefusingSink(accept=1), KeyChain(KEY)
+        learner = Learner.from_config(config(), llm)
+        pipeline = KeyPipeline(chain, learner, FixedBatch(2), sink, closed_inbox(items(8)), SYNC)
+        await pipeline.run()
+    assert [u.version for u in sink.updates] == [1]
+    assert [u.version for u in sink.refused] == [2], "one try, then the pipeline stops"
+    assert chain.version == 1 and chain.traces_learned == 2
+
+
+class FlakyReflections(Learner):
+    """Reflection of one trace always fails; curation fails ``curate_failures`` times."""
+
+    def __init__(self, *args: Any, bad_trace: str, curate_failures: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.bad_trace = bad_trace
+        self.curate_failures = curate_failures
+        self.reflect_calls: dict[str, int] = {}
+        self.reduce_calls = 0
+
+    async def reflect(
+        self, snapshot: Playbook, trace: Trace, source: Source, stats: WindowStats
+    ) -> ReflectionRecord | FailedTrace:
+        self.reflect_calls[trace.trace_id] = self.reflect_calls.get(trace.trace_id, 0) + 1
+        if trace.trace_id == self.bad_trace:
+            return FailedTrace(source=source, reason="reflector said no")
+        return await super().reflect(snapshot, trace, source, stats)
+
+    async def reduce(self, *args: Any, **kwargs: Any) -> Proposal:
+        self.reduce_calls += 1
+        if self.reduce_calls <= self.curate_failures:
+            raise WindowError(KEY, "curator said no")
+        return await super().reduce(*args, **kwargs)
+
+
+@pytest.mark.anyio
+async def test_failed_reflections_and_curations_are_parked_after_their_attempts() -> None:
+    batch = items(6)
+    bad = batch[1][0].trace_id
+    async with client() as llm:
+        sink = MemorySink()
+        # attempts = 2: the first window's curation fails twice (parked), the second's once.
+        learner = FlakyReflections(llm, config().learning, bad_trace=bad, curate_failures=3)
+        pipeline = KeyPipeline(
+            KeyChain(KEY), learner, FixedBatch(3), sink, closed_inbox(batch), SYNC
+        )
+        await pipeline.run()
+    assert learner.reflect_calls[bad] == 2
+    parked = [(f.source.trace_id, stage) for f, stage in sink.parked]
+    assert parked[0] == (bad, "reflect")
+    assert sorted(parked[1:]) == sorted(
+        (t.trace_id, "curate") for t, _ in batch[:3] if t.trace_id != bad
+    )
+    assert learner.reduce_calls == 2 + 2
+    # the second window was learned: its version is v1 of the chain, with only its traces
+    check_chain(sink.updates, 3)
+    assert sink.updates[0].stats.trace_ids == sorted(t.trace_id for t, _ in batch[3:])
+
+
+class RejectEveryOther:
+    name = "every_other"
+
+    def __init__(self) -> None:
+        self.seen: list[Candidate] = []
+
+    async def review(self, candidate: Candidate) -> Verdict:
+        self.seen.append(candidate)
+        if len(self.seen) % 2 == 0:
+            return Verdict(accepted=False, reason="even windows are refused")
+        return Verdict(accepted=True)
+
+
+@pytest.mark.anyio
+async def test_a_gate_rejection_learns_the_traces_but_keeps_the_parents_bullets() -> None:
+    async with client() as llm:
+        sink, gate = MemorySink(), RejectEveryOther()
+        learner = Learner.from_config(config(), llm, gate=gate)
+        pipeline = KeyPipeline(
+            KeyChain(KEY), learner, FixedBatch(3), sink, closed_inbox(items(9)), SYNC
+        )
+        await pipeline.run()
+    check_chain(sink.updates, 9)
+    v1, v2, v3 = sink.updates
+    assert v1.stats.rejection is None and v3.stats.rejection is None
+    assert v2.stats.rejection == GateRejection(
+        gate="every_other", reason="even windows are refused"
+    )
+    assert v2.playbook.sections == v1.playbook.sections, "nothing of the refused window applied"
+    assert len(v2.stats.trace_ids) == 3, "its traces are learned (and never learned again)"
+    assert [c.parent.version for c in gate.seen] == [0, 1, 2]
+    assert len(retained_ids(v3.playbook)) == 6
