@@ -1,12 +1,15 @@
 """combee-stream: learn agent playbooks from traces with Combee, over Kafka or files.
 
 The public API is this module's ``__all__``; everything else is an implementation detail.
+Errors derive from :class:`CombeeError` (tree in :mod:`combee_stream.errors`).
 """
 
-from combee_stream.config import Config, ConfigError, load_config
-from combee_stream.errors import UserError
+from combee_stream.config import Config, load_config
+from combee_stream.engine import Engine
+from combee_stream.errors import CombeeError, ConfigError, UserError
 from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.subscriber import PromptSubscriber
+from combee_stream.offline import run_learn
 from combee_stream.schemas import (
     Feedback,
     Playbook,
@@ -16,8 +19,10 @@ from combee_stream.schemas import (
 )
 
 __all__ = [
+    "CombeeError",
     "Config",
     "ConfigError",
+    "Engine",
     "Feedback",
     "Playbook",
     "PromptSubscriber",
@@ -27,4 +32,5 @@ __all__ = [
     "TraceProducer",
     "UserError",
     "load_config",
+    "run_learn",
 ]

@@ -102,3 +102,6 @@ async def serve_asgi(
                 yield server
             finally:
                 server.stop()
+
+
+__all__ = ["HttpServer", "bind", "serve_asgi"]

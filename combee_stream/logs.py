@@ -72,3 +72,6 @@ class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:
     return structlog.get_logger(name)  # type: ignore[no-any-return]
+
+
+__all__ = ["configure_logging", "get_logger"]

@@ -27,3 +27,6 @@ def register(sub: Any) -> None:
 def _schema(args: argparse.Namespace, config: Config) -> int:
     print(json.dumps(schemas.json_schema(SCHEMAS[args.name]), indent=2))
     return 0
+
+
+__all__ = ["SCHEMAS", "register"]

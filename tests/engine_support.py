@@ -92,10 +92,13 @@ def env_for(cfg: Config) -> dict[str, str]:
     return env
 
 
-def spawn_engine(cfg: Config, log_path: Path) -> subprocess.Popen[bytes]:
+def spawn_engine(
+    cfg: Config, log_path: Path, extra_env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     """``combee-stream run`` as a real process (so it can be SIGKILLed)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMBEE__")}
     env.update(env_for(cfg))
+    env.update(extra_env or {})
     env["PYTHONUNBUFFERED"] = "1"
     with log_path.open("ab") as log:
         return subprocess.Popen(

@@ -22,7 +22,10 @@ from engine_support import (
 from combee_stream.config import Config
 from combee_stream.engine import Engine
 from combee_stream.kafka.topics import ensure_topics
+from combee_stream.schemas import Feedback, Trace
 from combee_stream.sim import LatencyModel, SimSettings, generate_traces, sim_server
+from combee_stream.sim.markers import marker_line
+from combee_stream.sim.traces import lesson_text
 
 
 @pytest.fixture
@@ -138,3 +141,54 @@ async def test_backlog_larger_than_the_queue_pauses_partitions_and_loses_nothing
     assert max(result.learned.values()) == 1
     pauses = engine.metrics.registry.get_sample_value("combee_backpressure_pauses_total")
     assert pauses is not None and pauses >= 1
+
+
+def twin_traces(key: str, families: int) -> list[Trace]:
+    """Two traces per lesson family, whose lessons differ by one word: near duplicates."""
+    traces = []
+    for i in range(families):
+        text = lesson_text(3, f"x{i}")
+        for variant, wording in (("a", text), ("b", text.replace(" the ", " a ", 1))):
+            traces.append(
+                Trace(
+                    key=key,
+                    trace_id=f"{key}-{i}{variant}",
+                    task=f"Task {i}{variant}",
+                    feedback=Feedback(passed=False, text=marker_line(f"e{i}{variant}", wording)),
+                )
+            )
+    return traces
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("enabled", [True, False], ids=["embeddings", "no-embeddings"])
+async def test_semantic_dedup_runs_in_the_engine_when_embeddings_are_enabled(
+    config: Config, unique: str, enabled: bool
+) -> None:
+    traces = twin_traces("emb", 6)
+    async with sim_server(SimSettings(seed=5)) as llm:
+        cfg = engine_config(config, f"{unique}{int(enabled)}", llm.base_url, batch_size=4)
+        embeddings = msgspec.structs.replace(cfg.llm.embeddings, enabled=enabled, threshold=0.75)
+        cfg = msgspec.structs.replace(
+            cfg, llm=msgspec.structs.replace(cfg.llm, embeddings=embeddings)
+        )
+        engine = Engine(cfg)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.run)
+            await engine.started.wait()
+            await produce(cfg, traces)
+            updates = await wait_until_learned(cfg, {"emb": len(traces)})
+            engine.stop()
+        embed_calls = llm.stats()["roles"].get("embeddings", {}).get("completed", 0)
+    result = audit(updates)
+    assert result.problems == [] and max(result.learned.values()) == 1
+    final = result.final["emb"].playbook
+    lessons = lessons_of(final)
+    families = {lesson_id[:-1] for lesson_id in lessons}
+    assert families == {f"e{i}" for i in range(6)}, "every lesson kept once at least"
+    if enabled:
+        assert embed_calls > 0
+        assert len(lessons) == 6, f"one bullet per family of near duplicates: {sorted(lessons)}"
+    else:
+        assert embed_calls == 0
+        assert len(lessons) == 12, "without embeddings only exact duplicates are dropped"

@@ -7,11 +7,14 @@ previous), and the union of the chain's ``trace_ids`` is every produced trace ex
 
 from __future__ import annotations
 
+import re
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
+import httpx2
 import msgspec
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -318,3 +321,90 @@ async def test_trace_whose_reflection_keeps_failing_is_parked_whole(
     assert await read_updates(cfg) == []  # nothing learned, nothing published
     committed = await committed_offsets(cfg)
     assert sum(committed.values()) == len(traces)  # parked traces count as done
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.anyio
+async def test_broker_down_past_the_deadline_halts_and_commits_nothing_unpublished(
+    config: Config, unique: str, tmp_path: Path, kafka_broker: BrokerConfig
+) -> None:
+    traces = generate_traces(80, 2, 5, seed=23)
+    port = free_port()
+    async with sim_server(SimSettings(seed=23, latency=LatencyModel(base_s=0.2))) as llm:
+        cfg = engine_config(config, unique, llm.base_url, batch_size=5)
+        await ensure_topics(cfg.kafka)
+        where = await produce(cfg, traces)
+        log = tmp_path / "engine.log"
+        outage = {
+            "COMBEE__ENGINE__BROKER_DEADLINE_S": "6",
+            "COMBEE__KAFKA__REQUEST_TIMEOUT_MS": "2000",
+            "COMBEE__ENGINE__METRICS_PORT": str(port),
+        }
+        proc = spawn_engine(cfg, log, outage)
+        not_ready = False
+        failures = 0.0
+        try:
+
+            async def some_published() -> bool:
+                return len(await read_updates(cfg)) >= 2
+
+            await wait_for(some_published, 90)
+            await anyio.to_thread.run_sync(stop_broker, kafka_broker)
+            # While the engine retries: /readyz says not ready and the failures are counted.
+            async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+                with anyio.fail_after(120):
+                    while proc.poll() is None:
+                        try:
+                            ready = await http.get("/readyz")
+                            not_ready = not_ready or ready.status_code == 503
+                            metrics = (await http.get("/metrics")).text
+                            failures = max(failures, _sample(metrics, "combee_broker_failures"))
+                        except httpx2.TransportError:
+                            pass
+                        await anyio.sleep(0.2)
+            assert proc.returncode == 1, log.read_text()[-3000:]
+        finally:
+            kill(proc)
+            await anyio.to_thread.run_sync(start_broker, kafka_broker)
+        text = log.read_text()
+        assert "engine halted: kafka unavailable past the deadline" in text
+        # one clear line: what could not be done (a publish, or a restore that was under
+        # way when the broker went down), for how long, and the setting that bounds it
+        assert re.search(
+            r"combee-stream: engine halted: could not (publish|restore) on partition \d+ for "
+            r"\d+ s \(engine.broker_deadline_s = 6\)",
+            text,
+        ), text[-3000:]
+        assert not_ready and failures > 0
+
+        # Nothing forked, nothing learned twice, nothing committed that was not published.
+        result = audit(await read_updates(cfg))
+        assert result.problems == []
+        assert max(result.learned.values()) == 1
+        assert len(result.learned) < len(traces), "the outage must stop it mid-stream"
+        committed = await committed_offsets(cfg)
+        uncovered = [
+            t for t, (p, o) in where.items() if o < committed.get(p, 0) and t not in result.learned
+        ]
+        assert uncovered == []
+
+        proc = spawn_engine(cfg, log)
+        try:
+            updates = await wait_until_learned(cfg, expected_counts(traces), limit_s=180)
+        finally:
+            kill(proc, signal.SIGTERM)
+    assert_exactly_once(updates, {t.trace_id for t in traces})
+
+
+def _sample(metrics: str, name: str) -> float:
+    """Sum of the samples of counter ``name`` (``name_total{...} value`` lines)."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith(f"{name}_total")
+    )

@@ -123,7 +123,7 @@ async def test_window_closes_at_max_wait_with_what_it_has() -> None:
             for trace, source in items(3):
                 send.send_nowait(Pending(trace, source, anyio.current_time()))
             with anyio.fail_after(10):
-                while not sink.updates:
+                while not sink.updates:  # noqa: ASYNC110 - a list the sink fills
                     await anyio.sleep(0.02)
             assert not pipeline.finished.is_set(), "the inbox is open: the pipeline waits on"
             send.close()

@@ -6,3 +6,5 @@ Suites: ``scaling`` (strategies x batch sizes), ``saturation`` (throughput again
 endpoint's capacity), ``overhead`` (engine vs a bare consumer loop, memory under a backlog) and
 ``latency`` (trace-to-publish latency, pipelined vs synchronous windows).
 """
+
+__all__: list[str] = []

@@ -138,3 +138,6 @@ def handle(args: argparse.Namespace, config: Config) -> int:
             print(f"wrote {path}", file=sys.stderr)
     sys.stdout.flush()
     return 0
+
+
+__all__ = ["SUITES", "Outcome", "handle", "register", "run_suite"]

@@ -235,3 +235,18 @@ async def watch_engine(metrics: Any, total: int, limit_s: float, every_s: float 
             if published >= total:
                 return Progress(first_read=first or now, done=now, marks=marks)
             await anyio.sleep(every_s)
+
+
+__all__ = [
+    "Progress",
+    "delete_topics",
+    "engine_config",
+    "fresh_topics",
+    "metric_total",
+    "produce_bulk",
+    "read_updates",
+    "running_engine",
+    "sim_process",
+    "watch_engine",
+    "with_broker",
+]

@@ -308,3 +308,17 @@ def markdown(report: LatencyReport) -> str:
         report.targets,
         report.notes,
     )
+
+
+__all__ = [
+    "DEFAULT_TIME_SCALE",
+    "MODES",
+    "RATE_CAP",
+    "LatencyRatio",
+    "LatencyReport",
+    "LatencyRow",
+    "LatencySettings",
+    "latency_settings",
+    "markdown",
+    "run_latency",
+]

@@ -213,3 +213,13 @@ def markdown(report: OverheadReport) -> str:
         report.targets,
         report.notes,
     )
+
+
+__all__ = [
+    "OverheadReport",
+    "OverheadRow",
+    "OverheadSettings",
+    "markdown",
+    "overhead_settings",
+    "run_overhead",
+]

@@ -240,3 +240,12 @@ def latency_plots(report: LatencyReport, out: Path, subtitle: str) -> list[Path]
     ax.set_title("synchronous vs pipelined windows")
     ax.legend(fontsize=7, ncol=2)
     return [_save(plt, fig, out / "latency.png", subtitle)]
+
+
+__all__ = [
+    "latency_plots",
+    "overhead_plots",
+    "require_matplotlib",
+    "saturation_plots",
+    "scaling_plots",
+]

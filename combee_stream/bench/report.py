@@ -94,3 +94,15 @@ def percentile(values: Sequence[float], q: float) -> float:
     low = math.floor(pos)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+__all__ = [
+    "SIMULATED",
+    "Report",
+    "Target",
+    "describe_latency",
+    "document",
+    "fmt",
+    "percentile",
+    "table",
+]

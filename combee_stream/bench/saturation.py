@@ -248,3 +248,17 @@ def markdown(report: SaturationReport) -> str:
         report.targets,
         report.notes,
     )
+
+
+__all__ = [
+    "DEFAULT_TIME_SCALE",
+    "RATE_CAP",
+    "SaturationReport",
+    "SaturationRow",
+    "SaturationSettings",
+    "bound",
+    "ideal_calls_per_trace",
+    "markdown",
+    "run_saturation",
+    "saturation_settings",
+]

@@ -178,7 +178,6 @@ async def _learn(
                 sink,
                 closed_inbox(items),
                 offline_settings(config),
-                total=len(items),
             )
             started, cpu = anyio.current_time(), time.process_time()
             await pipeline.run()

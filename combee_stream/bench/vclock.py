@@ -71,3 +71,6 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
 def is_virtual() -> bool:
     """Whether the running loop is a :class:`VirtualClockLoop`."""
     return isinstance(asyncio.get_running_loop(), VirtualClockLoop)
+
+
+__all__ = ["VirtualClockLoop", "is_virtual"]

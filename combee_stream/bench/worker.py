@@ -148,3 +148,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+__all__ = ["WorkerJob", "WorkerResult", "bare", "engine", "main"]

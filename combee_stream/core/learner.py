@@ -281,7 +281,6 @@ class Learner:
                 tg.start_soon(reflect, trace, source)
         records = [o for o in outcomes if isinstance(o, ReflectionRecord)]
         failed = [o for o in outcomes if isinstance(o, FailedTrace)]
-        stats.rounds = 1 if traces else 0
         return await self.reduce(
             snapshot, records, failed, stats, progress=progress, started=started
         )
@@ -332,6 +331,7 @@ class Learner:
         stats.failed = len(failed)
         done = [rec.reflection for rec in records]
         if not records:
+            stats.rounds = 1 if failed else 0  # a Map whose every reflection failed
             stats.delay_s = anyio.current_time() - started
             return Proposal(
                 key, snapshot.version, empty(key, snapshot.version), failed, done, stats
@@ -379,7 +379,7 @@ class Learner:
             raise WindowError(key, str(exc)) from exc
         stats.max_curator_items = tree.max_curator_items
         stats.max_combiner_items = tree.max_combiner_items
-        stats.rounds += 1 + tree.combine_rounds
+        stats.rounds = 1 + 1 + tree.combine_rounds  # the Map, level 1, LLM combine levels
         stats.delay_s = anyio.current_time() - started
         return Proposal(key, snapshot.version, merge(base, tree_delta), failed, done, stats)
 

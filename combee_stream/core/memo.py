@@ -150,3 +150,6 @@ class CompletionMemo:
         if skipped:
             log.warning("llm.memo.skipped_lines", path=str(path), lines=skipped)
         log.info("llm.memo.loaded", path=str(path), entries=len(self._entries))
+
+
+__all__ = ["CompletionMemo", "MemoEntry", "request_key"]

@@ -31,3 +31,6 @@ ROLE_OUTPUTS: dict[str, type[Struct]] = {
     "curator": CuratorOutput,
     "combiner": CuratorOutput,
 }
+
+
+__all__ = ["ROLE_OUTPUTS", "CuratorOutput", "ReflectorOutput"]

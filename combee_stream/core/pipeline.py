@@ -149,13 +149,8 @@ class KeyPipeline:
         sink: Sink,
         inbox: MemoryObjectReceiveStream[Pending],
         settings: PipelineSettings,
-        *,
-        total: int | None = None,
     ) -> None:
         self.chain = chain
-        # Traces the key will have learned at the end (offline: known up front), for the
-        # curator's progress line; None on a stream.
-        self._total = total
         self.policy = policy
         self._learner = learner
         self._sink = sink
@@ -275,10 +270,10 @@ class KeyPipeline:
         # The curators read one frozen snapshot: the newest playbook at close. Retries reuse
         # it, so the same requests are replayed from the completion memo, not paid again.
         snapshot = self.chain.playbook
+        # The same line in every driver (a stream has no total), so a window's requests, and
+        # what they cost, do not depend on where the traces came from.
         first = self.chain.traces_learned + 1
-        progress = f"traces {first}-{first + len(window.items) - 1}"
-        progress += f" of {self._total}" if self._total is not None else " of a stream"
-        progress += f" for key {self.chain.key}"
+        progress = f"traces {first}-{first + len(window.items) - 1} for key {self.chain.key}"
         error = ""
         for attempt in range(1, self._cfg.attempts + 1):
             try:

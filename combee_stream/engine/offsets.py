@@ -37,3 +37,6 @@ class PartitionOffsets:
         while self._heap and self._heap[0] not in self._pending:
             heapq.heappop(self._heap)
         return self._heap[0] if self._heap else self._next
+
+
+__all__ = ["PartitionOffsets"]

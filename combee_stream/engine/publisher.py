@@ -86,10 +86,13 @@ class Publisher:
     ) -> bool:
         """Run ``attempt_once`` until it succeeds (True) or ``part`` is revoked (False);
         past the broker deadline raise BrokerUnavailableError. ``locked``: hold the partition's
-        publish lock for each attempt, so revocation waits for it and then stops the loop."""
-        deadline = self._config.engine.broker_deadline_s
-        health = self._metrics.health
-        failing_since: float | None = None
+        publish lock for each attempt, so revocation waits for it and then stops the loop.
+
+        An attempt is never cancelled to be retried: the idempotent producer retries a record
+        it has accepted until the broker has it, so a second send could duplicate it. A stalled
+        attempt is instead watched (one failure per ``kafka.request_timeout_ms`` without an
+        answer) and only the deadline ends it, by stopping the engine."""
+        outage = _Outage(op, part, self._config, self._metrics)
         attempt = 0
         try:
             while True:
@@ -97,42 +100,22 @@ class Publisher:
                     if not part.owned:
                         return False
                     try:
-                        await attempt_once()
+                        error = await self._watched(attempt_once, outage)
                     except ProducerFenced:
                         # A newer owner initialised this partition's transactional id: this
-                        # instance is a zombie for it. Publish nothing more; the rebalance that
-                        # follows revokes the partition.
+                        # instance is a zombie for it. Publish nothing more; the rebalance
+                        # that follows revokes the partition.
                         log.warning(
                             "producer fenced: partition lost", op=op, partition=part.partition
                         )
                         part.owned = False
                         return False
-                    except KafkaError as exc:
-                        error = exc
-                    else:
-                        if failing_since is not None:
+                    if error is None:
+                        if outage.since is not None:
                             log.info("kafka reachable again", op=op, partition=part.partition)
                         return True
                 attempt += 1
-                now = anyio.current_time()
-                if failing_since is None:
-                    failing_since = now
-                    health.failing[op] += 1
-                self._metrics.broker_failures.labels(op).inc()
-                failed_for = now - failing_since
-                if deadline and failed_for >= deadline:
-                    log.error(
-                        "engine halted: kafka unavailable past the deadline",
-                        op=op,
-                        partition=part.partition,
-                        failed_for_s=round(failed_for, 1),
-                        deadline_s=deadline,
-                        error=str(error),
-                    )
-                    raise BrokerUnavailableError(
-                        f"could not {op} on partition {part.partition} for {failed_for:.0f} s "
-                        f"(engine.broker_deadline_s = {deadline:g}): {error}"
-                    )
+                outage.failed(str(error))
                 delay = BROKER_RETRY.delay(attempt, self._rng)
                 log.warning(
                     f"{op} failed, retrying",
@@ -143,8 +126,41 @@ class Publisher:
                 )
                 await anyio.sleep(delay)
         finally:
-            if failing_since is not None:
-                health.failing[op] -= 1
+            outage.close()
+
+    async def _watched(
+        self, attempt_once: Callable[[], Awaitable[None]], outage: _Outage
+    ) -> KafkaError | None:
+        """The attempt's KafkaError (None on success), with a watchdog on a stalled one."""
+        outcome: list[KafkaError | None] = []
+        finished = anyio.Event()
+
+        async def attempt() -> None:
+            try:
+                await attempt_once()
+                outcome.append(None)
+            except ProducerFenced:
+                raise
+            except KafkaError as exc:
+                outcome.append(exc)
+            finally:
+                finished.set()
+
+        patience = self._config.kafka.request_timeout_ms / 1000
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(attempt)
+                while not finished.is_set():
+                    with anyio.move_on_after(patience):
+                        await finished.wait()
+                    if not finished.is_set():
+                        outage.failed(f"no answer from Kafka for {patience:g} s")
+        except BaseExceptionGroup as group:
+            fenced = group.subgroup(ProducerFenced)
+            if fenced is not None and group.subgroup(BrokerUnavailableError) is None:
+                raise ProducerFenced() from group
+            raise
+        return outcome[0]
 
     # ------------------------------------------------------------------ Sink
 
@@ -283,6 +299,43 @@ class Publisher:
             batch_size=update.stats.batch_size,
             rejection=update.stats.rejection.kind if update.stats.rejection else None,
         )
+
+
+class _Outage:
+    """One operation's run of failures: when it began, the metric, readiness, the deadline."""
+
+    def __init__(self, op: str, part: PartitionState, config: Config, metrics: EngineMetrics):
+        self.op = op
+        self.part = part
+        self.deadline = config.engine.broker_deadline_s
+        self.metrics = metrics
+        self.since: float | None = None
+
+    def failed(self, error: str) -> None:
+        """Count one failure; past the deadline, stop the engine."""
+        now = anyio.current_time()
+        if self.since is None:
+            self.since = now
+            self.metrics.health.failing[self.op] += 1
+        self.metrics.broker_failures.labels(self.op).inc()
+        failed_for = now - self.since
+        if self.deadline and failed_for >= self.deadline:
+            log.error(
+                "engine halted: kafka unavailable past the deadline",
+                op=self.op,
+                partition=self.part.partition,
+                failed_for_s=round(failed_for, 1),
+                deadline_s=self.deadline,
+                error=error,
+            )
+            raise BrokerUnavailableError(
+                f"could not {self.op} on partition {self.part.partition} for {failed_for:.0f} s "
+                f"(engine.broker_deadline_s = {self.deadline:g}): {error}"
+            )
+
+    def close(self) -> None:
+        if self.since is not None:
+            self.metrics.health.failing[self.op] -= 1
 
 
 __all__ = ["BROKER_RETRY", "Publisher"]

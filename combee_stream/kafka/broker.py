@@ -643,3 +643,20 @@ def _cmd_status(args: argparse.Namespace, config: Config) -> int:
     detail = f"pid {found.state.pid}, Kafka {found.state.kafka_version}, state dir {where}"
     print(f"{found.status} {found.state.bootstrap} ({detail})")
     return 0 if found.status == "running" else 1
+
+
+__all__ = [
+    "BrokerError",
+    "BrokerPaths",
+    "BrokerState",
+    "BrokerStatus",
+    "broker_running",
+    "broker_status",
+    "ensure_jars",
+    "jvm_flags",
+    "log_tail",
+    "new_cluster_id",
+    "register",
+    "start_broker",
+    "stop_broker",
+]

@@ -134,3 +134,6 @@ def _topic_errors(response: object) -> list[tuple[str, int, str]]:
     return [
         (t["topic"], t["error_code"], t.get("error_message") or "") for t in obj["topic_errors"]
     ]
+
+
+__all__ = ["TopicMismatchError", "TopicSpec", "ensure_topics", "topic_specs"]

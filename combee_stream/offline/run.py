@@ -292,7 +292,6 @@ async def run_learn(
                     sink,
                     closed_inbox(items),
                     settings,
-                    total=chain.traces_learned + len(items),
                 )
                 tg.start_soon(pipeline.run)
         report.complete = True

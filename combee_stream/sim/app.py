@@ -350,3 +350,6 @@ class SimApp:
 _KNOWN_PATHS = frozenset(
     {"/v1/chat/completions", "/v1/embeddings", "/v1/models", "/health", "/sim/stats", "/sim/reset"}
 )
+
+
+__all__ = ["CHAT_MODEL", "EMBEDDING_MODEL", "BadRequest", "SimApp"]

@@ -138,3 +138,6 @@ def _score(args: argparse.Namespace, config: object) -> int:
         raise UserError(str(exc)) from exc
     print(json.dumps(msgspec.to_builtins(result)))
     return 0
+
+
+__all__ = ["describe", "register", "settings_from_args"]

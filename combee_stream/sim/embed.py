@@ -45,3 +45,6 @@ def cosine(a: list[float], b: list[float]) -> float:
     na = math.sqrt(sum(x * x for x in a))
     nb = math.sqrt(sum(y * y for y in b))
     return dot / (na * nb) if na and nb else 0.0
+
+
+__all__ = ["DIMENSIONS", "cosine", "embed", "to_base64"]

@@ -50,3 +50,14 @@ def schema_violation(content: bytes) -> bytes:
     data = msgspec.json.decode(content)
     kept = {"reasoning": data.get("reasoning", "")} if isinstance(data, dict) else {}
     return msgspec.json.encode(kept)
+
+
+__all__ = [
+    "FAULT_KINDS",
+    "HTTP_FAULTS",
+    "FaultKind",
+    "decide_fault",
+    "malformed",
+    "schema_violation",
+    "unit",
+]

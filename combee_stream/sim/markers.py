@@ -55,3 +55,6 @@ def retained_ids(playbook: Playbook) -> set[str]:
         for bullet in section.bullets
         for match in _MENTION.finditer(bullet.content)
     }
+
+
+__all__ = ["Lesson", "distinct", "find_lessons", "marker_line", "mentions", "retained_ids"]

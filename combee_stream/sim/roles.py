@@ -130,3 +130,16 @@ def respond(role: Role, prompt: str, *, seed: int, capacity: int | None) -> byte
     else:
         output = combine(prompt)
     return msgspec.json.encode(output)
+
+
+__all__ = [
+    "CURATOR_SECTION",
+    "Role",
+    "block",
+    "combine",
+    "curate",
+    "identify_role",
+    "overload_keep",
+    "reflect",
+    "respond",
+]

@@ -66,3 +66,6 @@ def load_playbooks(out_dir: Path) -> dict[str, Playbook]:
         return msgspec.json.decode(path.read_bytes(), type=dict[str, Playbook])
     except msgspec.DecodeError as exc:  # ValidationError included
         raise ValueError(f"{path}: {exc}") from exc
+
+
+__all__ = ["KeyScore", "Score", "load_playbooks", "load_traces", "score"]

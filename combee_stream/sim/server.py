@@ -118,3 +118,15 @@ def sim_server_blocking(
         portal.wrap_async_context_manager(sim_server(settings, host=host, port=port)) as server,
     ):
         yield BlockingSimServer(server, portal)
+
+
+__all__ = [
+    "IN_PROCESS_BASE_URL",
+    "BlockingSimServer",
+    "SimServer",
+    "sim_app",
+    "sim_http_client",
+    "sim_server",
+    "sim_server_blocking",
+    "simulated_llm",
+]

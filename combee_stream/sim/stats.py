@@ -51,3 +51,6 @@ class SimStats(Struct, kw_only=True):
         """A detached snapshot (plain builtins)."""
         result: dict[str, Any] = msgspec.to_builtins(self)
         return result
+
+
+__all__ = ["RoleStats", "SimStats"]

@@ -112,3 +112,6 @@ def _trace(rng: random.Random, seed: int, index: int, key: str, lesson_id: str) 
         ),
         metadata={"simulated": "true", "lesson_id": lesson_id},
     )
+
+
+__all__ = ["generate_traces", "lesson_ids", "lesson_text"]
