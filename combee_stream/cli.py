@@ -24,9 +24,11 @@ _COMMAND_MODULES = (
     "combee_stream.kafka.commands",
     "combee_stream.schema_cli",
     "combee_stream.sim.cli",
+    "combee_stream.localllm.cli",
     "combee_stream.prompts_cli",
     "combee_stream.offline.cli",
     "combee_stream.engine.cli",
+    "combee_stream.evaluation.cli",
     "combee_stream.bench.cli",
     "combee_stream.demo",
 )

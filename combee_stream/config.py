@@ -69,6 +69,24 @@ class BrokerConfig(_Section):
     ready_timeout_s: PositiveFloat = 90.0
 
 
+class LocalLLMConfig(_Section):
+    """The local model server of ``combee-stream llm serve`` (and ``make demo``): llama.cpp's
+    ``llama-server`` built from registry sources, serving a model assembled from registry
+    wheels (see combee_stream/localllm)."""
+
+    model: Literal["qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "smollm2-135m"] = (
+        "qwen2.5-coder-1.5b"
+    )
+    host: str = "127.0.0.1"
+    port: Port = 8080
+    parallel: Positive = 4  # slots served concurrently (continuous batching)
+    ctx_size: Positive = 32768  # tokens of KV cache, shared by the slots
+    threads: Positive = 2
+    seed: int = 42
+    state_dir: str = ".state/llm"  # the build, the models; relative to the working directory
+    ready_timeout_s: PositiveFloat = 300.0
+
+
 class RoleConfig(_Section):
     """One LLM role's endpoint. ``base_url`` empty means: take ``OPENAI_BASE_URL``."""
 
@@ -101,6 +119,8 @@ class LLMConfig(_Section):
     reflector: RoleConfig = field(default_factory=RoleConfig)
     curator: RoleConfig = field(default_factory=RoleConfig)
     combiner: RoleConfig = field(default_factory=RoleConfig)
+    # The example agent (combee_stream.agent.Answerer): `eval`, the quality benchmark, the demo.
+    agent: RoleConfig = field(default_factory=RoleConfig)
     embeddings: EmbeddingsConfig = field(default_factory=EmbeddingsConfig)
     concurrency: Positive = 16
     requests_per_minute: Annotated[int, Meta(ge=0)] = 0  # 0 = unlimited
@@ -160,6 +180,7 @@ class LogConfig(_Section):
 class Config(_Section):
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
     broker: BrokerConfig = field(default_factory=BrokerConfig)
+    local_llm: LocalLLMConfig = field(default_factory=LocalLLMConfig)
     llm: LLMConfig = field(default_factory=LLMConfig)
     learning: LearningConfig = field(default_factory=LearningConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -238,6 +259,7 @@ __all__ = [
     "KafkaConfig",
     "LLMConfig",
     "LearningConfig",
+    "LocalLLMConfig",
     "LogConfig",
     "RoleConfig",
     "load_config",

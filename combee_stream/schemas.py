@@ -206,6 +206,10 @@ class UpdateStats(Struct, forbid_unknown_fields=True):
     # Wall seconds from the window's close (all its traces in hand) to its version being built:
     # what the batch-size controller minimises. Driver-specific.
     delay_s: float = 0.0
+    bullets_added: NonNegative = 0  # new bullets this version added
+    # Proposed operations and tags not carried out, by reason: duplicate, near_duplicate,
+    # restates_task, no_lesson, missing_bullet, superseded, uncited_tag (see core/hygiene.py).
+    skipped: dict[str, int] = {}
     # Legacy (JSON text of a budget rejection, written by early builds); read, never written.
     rejected: str | None = None
     # Why the window's proposed delta was not applied; None when it was. Its traces are still

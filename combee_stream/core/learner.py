@@ -54,6 +54,7 @@ from msgspec import Struct
 from combee_stream.config import Config, LearningConfig
 from combee_stream.core.delta import empty, merge, rebase
 from combee_stream.core.gate import AcceptAll, Candidate, PublishGate
+from combee_stream.core.hygiene import review_adds
 from combee_stream.core.llm import ChatMessage, Completion, LLMCallError, LLMClient, Role
 from combee_stream.core.outputs import CuratorOutput, ReflectorOutput
 from combee_stream.core.playbook import (
@@ -137,6 +138,7 @@ class WindowStats(Struct):
     max_curator_items: int = 0
     max_combiner_items: int = 0
     rounds: int = 0  # sequential LLM rounds: map + level 1 + LLM combine levels
+    uncited_tags: int = 0  # reflector tags of bullets the trace did not cite (dropped)
     stale_by: int = 0  # versions between the snapshot and the playbook it was committed to
     delay_s: float = 0.0
 
@@ -150,6 +152,7 @@ class Proposal(Struct):
     failed: list[FailedTrace]
     reflections: list[Reflection]
     stats: WindowStats
+    tasks: list[str] = []  # the window's task texts (the bullet review checks restatements)
 
 
 class WindowResult(Struct):
@@ -296,6 +299,11 @@ class Learner:
             out = await self._call("reflector", messages, ReflectorOutput, stats)
         except LLMCallError as exc:
             return FailedTrace(source=source, reason=str(exc))
+        # Only the bullets the agent says it used can be credited or blamed: a reflector that
+        # tags others (real models do) would pile counts on bullets no agent ever read.
+        cited = set(trace.bullet_ids)
+        tags = [t for t in dict.fromkeys(out.bullet_tags) if t.bullet_id in cited]
+        stats.uncited_tags += len(out.bullet_tags) - len(tags)
         reflection = Reflection(
             key=snapshot.key,
             source=source,
@@ -303,7 +311,7 @@ class Learner:
             root_cause=out.root_cause_analysis,
             correct_approach=out.correct_approach,
             key_insight=out.key_insight,
-            bullet_tags=list(out.bullet_tags),
+            bullet_tags=tags,
         )
         return ReflectionRecord(reflection=reflection, task=trace.task)
 
@@ -381,7 +389,10 @@ class Learner:
         stats.max_combiner_items = tree.max_combiner_items
         stats.rounds = 1 + 1 + tree.combine_rounds  # the Map, level 1, LLM combine levels
         stats.delay_s = anyio.current_time() - started
-        return Proposal(key, snapshot.version, merge(base, tree_delta), failed, done, stats)
+        tasks = [rec.task for rec in records if rec.task]
+        return Proposal(
+            key, snapshot.version, merge(base, tree_delta), failed, done, stats, tasks=tasks
+        )
 
     async def commit(self, proposal: Proposal, onto: Playbook) -> WindowResult:
         """Apply a proposal to ``onto`` — its own snapshot, or a newer version of the same key,
@@ -406,7 +417,7 @@ class Learner:
             )
         if onto.version != delta.base_version:
             delta = rebase(delta, onto)
-        result = await self._apply(onto, delta)
+        result = await self._apply(onto, delta, proposal.tasks)
         applied_delta = delta
         rejection: Rejection | None = result.rejected
         fallbacks: list[Delta] = []
@@ -448,13 +459,19 @@ class Learner:
             rejection=rejection,
         )
 
-    async def _apply(self, snapshot: Playbook, delta: Delta) -> ApplyResult:
+    async def _apply(self, snapshot: Playbook, delta: Delta, tasks: Sequence[str]) -> ApplyResult:
         budget = self._config.token_budget
+        rejected = review_adds(snapshot, delta, tasks)
         if self._embed is None:
-            return apply(snapshot, delta, token_budget=budget)
+            return apply(snapshot, delta, token_budget=budget, skip_adds=rejected)
         try:
             return await apply_semantic(
-                snapshot, delta, token_budget=budget, embed=self._embed, threshold=self._threshold
+                snapshot,
+                delta,
+                token_budget=budget,
+                embed=self._embed,
+                threshold=self._threshold,
+                skip_adds=rejected,
             )
         except LLMCallError as exc:
             raise WindowError(snapshot.key, f"embedding dedup: {exc}") from exc

@@ -37,8 +37,8 @@ log = get_logger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
 
-Role = Literal["reflector", "curator", "combiner"]
-ROLES: Final[tuple[Role, ...]] = ("reflector", "curator", "combiner")
+Role = Literal["reflector", "curator", "combiner", "agent"]
+ROLES: Final[tuple[Role, ...]] = ("reflector", "curator", "combiner", "agent")
 EMBEDDINGS: Final = "embeddings"  # the usage() entry for embedding calls
 ChatMessage = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": ...}
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import re
 import unicodedata
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Final, Literal
 
 from msgspec import Struct
@@ -76,7 +76,9 @@ _SLUGS: Final = {
 }
 
 EmbedFn = Callable[[list[str]], Awaitable[list[list[float]]]]
-SkipReason = Literal["missing_bullet", "duplicate", "near_duplicate", "superseded"]
+SkipReason = Literal[
+    "missing_bullet", "duplicate", "near_duplicate", "superseded", "restates_task", "no_lesson"
+]
 
 
 class SkippedOp(Struct, frozen=True, forbid_unknown_fields=True):
@@ -293,12 +295,14 @@ def apply(
     delta: Delta,
     *,
     token_budget: int | None,
-    skip_adds: Sequence[int] = (),
+    skip_adds: Mapping[int, SkipReason] | Sequence[int] = (),
 ) -> ApplyResult:
     """Apply ``delta`` to a copy of ``playbook`` (see the module docstring for the rules).
 
-    ``skip_adds`` are indexes (among the delta's ADDs) to skip as near duplicates; it is how
-    :func:`apply_semantic` feeds its embedding verdicts into this deterministic function.
+    ``skip_adds`` are indexes (among the delta's ADDs) to skip, with their reason (a bare
+    sequence means ``near_duplicate``); it is how the bullet review
+    (:mod:`combee_stream.core.hygiene`) and :func:`apply_semantic` feed their verdicts into
+    this deterministic function.
     """
     if delta.key != playbook.key:
         raise ValueError(f"delta for key {delta.key!r} applied to playbook {playbook.key!r}")
@@ -324,11 +328,13 @@ def apply(
         tagged += 1
 
     adds = [op for op in delta.operations if isinstance(op, AddOp)]
-    near = set(skip_adds)
+    near: Mapping[int, SkipReason] = (
+        skip_adds if isinstance(skip_adds, Mapping) else dict.fromkeys(skip_adds, "near_duplicate")
+    )
     for i, add in enumerate(adds):
         norm = normalize(add.content)
         if i in near:
-            skipped.append(SkippedOp(op=add, reason="near_duplicate"))
+            skipped.append(SkippedOp(op=add, reason=near[i]))
             continue
         if norm in contents or not norm:
             skipped.append(SkippedOp(op=add, reason="duplicate"))
@@ -400,14 +406,20 @@ async def apply_semantic(
     token_budget: int | None,
     embed: EmbedFn,
     threshold: float,
+    skip_adds: Mapping[int, SkipReason] | None = None,
 ) -> ApplyResult:
-    """:func:`apply` with ADDs that are near duplicates (cosine >= threshold) skipped."""
+    """:func:`apply` with ADDs that are near duplicates (cosine >= threshold) skipped, on top of
+    ``skip_adds`` already decided."""
     adds = [op for op in delta.operations if isinstance(op, AddOp)]
+    decided = dict(skip_adds or {})
     # Exact duplicates are apply's business; only ask about the rest.
     contents = {normalize(b.content) for s in playbook.sections for b in s.bullets}
-    fresh = [i for i, a in enumerate(adds) if normalize(a.content) not in contents]
+    fresh = [
+        i for i, a in enumerate(adds) if i not in decided and normalize(a.content) not in contents
+    ]
     near = await near_duplicate_adds(playbook, [adds[i] for i in fresh], embed, threshold)
-    return apply(playbook, delta, token_budget=token_budget, skip_adds=[fresh[i] for i in near])
+    decided.update(dict.fromkeys((fresh[i] for i in near), "near_duplicate"))
+    return apply(playbook, delta, token_budget=token_budget, skip_adds=decided)
 
 
 __all__ = [

@@ -20,6 +20,8 @@ Decisions:
 
 from __future__ import annotations
 
+from collections import Counter
+
 from msgspec import Struct
 
 from combee_stream.core.learner import WindowResult
@@ -101,6 +103,8 @@ class KeyChain:
                 tokens_in=stats.tokens_in,
                 tokens_out=stats.tokens_out,
                 delay_s=window.delay_s,
+                bullets_added=len(result.applied.added),
+                skipped=_skipped(result),
                 rejection=result.rejection,
             ),
             watermark=watermark,
@@ -114,6 +118,13 @@ class KeyChain:
                 f"{self.key}: cannot advance v{self.version} to {update.key} v{update.version}"
             )
         self.newest = update
+
+
+def _skipped(result: WindowResult) -> dict[str, int]:
+    counts: Counter[str] = Counter(op.reason for op in result.applied.skipped)
+    if result.stats.uncited_tags:
+        counts["uncited_tag"] = result.stats.uncited_tags
+    return dict(sorted(counts.items()))
 
 
 def seed_update(key: str, text: str, current: PromptUpdate | None) -> PromptUpdate:

@@ -28,7 +28,13 @@ def simulated_llm(base_url: str, llm: LLMConfig | None = None, **overrides: Any)
     role = RoleConfig(base_url=base_url, model=CHAT_MODEL)
     embeddings = msgspec.structs.replace(llm.embeddings, base_url=base_url, model=EMBEDDING_MODEL)
     return msgspec.structs.replace(
-        llm, reflector=role, curator=role, combiner=role, embeddings=embeddings, **overrides
+        llm,
+        reflector=role,
+        curator=role,
+        combiner=role,
+        agent=role,
+        embeddings=embeddings,
+        **overrides,
     )
 
 

@@ -7,6 +7,8 @@ each appears ``n // (keys * lessons)`` or one more times. Same arguments, same t
 
 from __future__ import annotations
 
+import functools
+import itertools
 import random
 
 from combee_stream.schemas import Feedback, Step, Trace
@@ -60,10 +62,25 @@ _TASKS = (
 )
 
 
+@functools.cache
+def _combinations(seed: int, scope: str) -> list[tuple[str, str, str]]:
+    """Every (situation, action, check), in an order fixed by (seed, scope)."""
+    combos = list(itertools.product(_SITUATIONS, _ACTIONS, _CHECKS))
+    random.Random(f"{seed}:lessons:{scope}").shuffle(combos)
+    return combos
+
+
 def lesson_text(seed: int, lesson_id: str) -> str:
-    """The lesson's wording: fixed for a (seed, id), plausible, mostly distinct across ids."""
-    rng = random.Random(f"{seed}:lesson:{lesson_id}")
-    situation, action, check = (rng.choice(x) for x in (_SITUATIONS, _ACTIONS, _CHECKS))
+    """The lesson's wording: fixed for a (seed, id) and plausible. Lessons ``<scope>-lNNN`` of
+    one scope (a key) get distinct wordings (up to 1,152 of them), so that two lessons the
+    scorer counts apart are never the same sentence under two ids."""
+    scope, _, number = lesson_id.rpartition("-l")
+    if scope and number.isdigit():
+        combos = _combinations(seed, scope)
+        situation, action, check = combos[int(number) % len(combos)]
+    else:
+        rng = random.Random(f"{seed}:lesson:{lesson_id}")
+        situation, action, check = (rng.choice(x) for x in (_SITUATIONS, _ACTIONS, _CHECKS))
     return f"When {situation}, {action} {check}."
 
 

@@ -1,0 +1,106 @@
+"""The example agent: answers a task with the playbook as its system prompt, as ACE's generator
+does. It reasons first, names the playbook bullets it used, and writes an arithmetic expression
+that its calculator evaluates (the answer is the expression's value; when it writes none, its
+own final answer). One structured LLM call per task, through any OpenAI-compatible endpoint
+(the ``agent`` role of the LLM layer).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+from msgspec import Struct
+
+from combee_stream.agent.calculator import CalculatorError, evaluate
+from combee_stream.core.llm import ChatMessage, LLMClient
+
+INSTRUCTIONS: Final = """\
+Answer the question below. Use the playbook in your instructions where it applies: it holds \
+lessons learned from earlier tasks of this kind.
+
+1. In "reasoning", work out step by step which formula and which conventions apply (units, \
+percent or fraction, periods, signs, rounding), and how the playbook's lessons apply.
+2. In "bullet_ids", list the ids of the playbook bullets you used (such as "calc-00012"); an \
+empty list if none.
+3. In "expression", write one arithmetic expression that computes the answer, using numbers, \
++ - * / ** ( ) and round, abs, min, max, ceil, floor, sqrt, log, exp. A calculator evaluates \
+it exactly: do not compute it yourself. Leave it empty when the answer is not a number.
+4. In "final_answer", give the answer itself (the number, or the text asked for).
+
+<question>
+{question}
+</question>"""
+
+
+class AgentOutput(Struct):
+    """What the agent must return (its JSON Schema is sent as the response format)."""
+
+    reasoning: str
+    bullet_ids: list[str]
+    expression: str
+    final_answer: str
+
+
+class Answer(Struct, frozen=True, kw_only=True):
+    output: str  # the answer the agent gives (the calculator's result when it wrote one)
+    reasoning: str
+    bullet_ids: list[str]  # cited bullets that the prompt really carries
+    expression: str = ""
+    calculator: str = ""  # the calculator's result, or its error
+    tokens_in: int = 0
+    tokens_out: int = 0
+
+
+_BULLET_ID = re.compile(r"^\[([^\]\s]+)\]", re.MULTILINE)
+
+
+def bullet_ids_of(prompt: str) -> set[str]:
+    """Ids of the bullets a rendered prompt carries (``[id] helpful=... :: text`` lines)."""
+    return set(_BULLET_ID.findall(prompt))
+
+
+def _format(value: float) -> str:
+    return f"{value:.10g}"
+
+
+class Answerer:
+    """``await Answerer(llm).answer(system_prompt, question)``."""
+
+    def __init__(self, llm: LLMClient) -> None:
+        self._llm = llm
+
+    def messages(self, system_prompt: str, question: str) -> list[ChatMessage]:
+        messages: list[ChatMessage] = []
+        if system_prompt.strip():
+            messages.append({"role": "system", "content": system_prompt})
+        messages.append({"role": "user", "content": INSTRUCTIONS.format(question=question)})
+        return messages
+
+    async def answer(self, system_prompt: str, question: str) -> Answer:
+        completion = await self._llm.complete(
+            "agent", self.messages(system_prompt, question), AgentOutput
+        )
+        out = completion.value
+        known = bullet_ids_of(system_prompt)
+        cited = [b for b in dict.fromkeys(out.bullet_ids) if b in known]
+        result, output = "", out.final_answer.strip()
+        if out.expression.strip():
+            try:
+                value = evaluate(out.expression)
+            except CalculatorError as exc:
+                result = f"error: {exc}"
+            else:
+                result = output = _format(value)
+        return Answer(
+            output=output,
+            reasoning=out.reasoning,
+            bullet_ids=cited,
+            expression=out.expression,
+            calculator=result,
+            tokens_in=completion.tokens_in,
+            tokens_out=completion.tokens_out,
+        )
+
+
+__all__ = ["INSTRUCTIONS", "AgentOutput", "Answer", "Answerer", "bullet_ids_of"]

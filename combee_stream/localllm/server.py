@@ -1,0 +1,153 @@
+"""Run ``llama-server`` on loopback for the duration of a block, and tell when it answers.
+
+``async with local_model(cfg) as server:`` builds the server and assembles the model if needed
+(once), starts ``llama-server`` as a child process (it dies with its parent, even on SIGKILL),
+waits until ``/health`` says the model is loaded, and yields its OpenAI base URL. The process is
+stopped on exit, whatever happened.
+
+Structured output: ``llama-server`` constrains replies by a grammar derived from a JSON Schema
+given as ``response_format = {"type": "json_object", "schema": ...}``, which is the LLM layer's
+``json_object`` mode (:func:`role_config` sets it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import anyio
+import httpx2
+from msgspec import Struct
+
+from combee_stream.config import LocalLLMConfig, RoleConfig
+from combee_stream.errors import UserError
+from combee_stream.localllm.build import ensure_llama_server
+from combee_stream.localllm.models import ensure_model, model_spec
+from combee_stream.logs import get_logger
+
+log = get_logger(__name__)
+
+Say = Callable[[str], None]
+
+
+class LocalServer(Struct, frozen=True):
+    model: str  # also the alias the server answers to
+    base_url: str  # ends in /v1
+    log_path: str
+    parallel: int
+
+
+def role_config(server: LocalServer, **overrides: object) -> RoleConfig:
+    """A role pointed at ``server`` in the mode it accepts (json_object + schema)."""
+    return RoleConfig(
+        base_url=server.base_url,
+        model=server.model,
+        mode="json_object",
+        **overrides,  # type: ignore[arg-type]
+    )
+
+
+def prepare(cfg: LocalLLMConfig, say: Say) -> tuple[Path, Path]:
+    """Build the server and assemble the model if needed; (binary, model file)."""
+    state = Path(cfg.state_dir)
+    binary = ensure_llama_server(state, say)
+    model = ensure_model(model_spec(cfg.model), state, say)
+    return binary, model
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies, even by SIGKILL (Linux
+    PR_SET_PDEATHSIG), so a killed run never leaves a model server behind."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+
+
+@contextlib.asynccontextmanager
+async def local_model(
+    cfg: LocalLLMConfig, *, say: Say | None = None, port: int | None = None
+) -> AsyncIterator[LocalServer]:
+    say = say or (lambda message: log.info(message))
+    binary, model = await anyio.to_thread.run_sync(prepare, cfg, say)
+    port = cfg.port if port is None else port
+    state = Path(cfg.state_dir)
+    log_path = state / f"llama-server-{port}.log"
+    command = [
+        str(binary),
+        "--model", str(model),
+        "--alias", cfg.model,
+        "--host", cfg.host,
+        "--port", str(port),
+        "--parallel", str(cfg.parallel),
+        "--ctx-size", str(cfg.ctx_size),
+        "--kv-unified",
+        "--threads", str(cfg.threads),
+        "--threads-batch", str(cfg.threads),
+        "--seed", str(cfg.seed),
+    ]  # fmt: skip
+    root = f"http://{cfg.host}:{port}"
+    with log_path.open("wb") as out:
+        # Popen, not anyio.open_process: the child must die with us (preexec_fn).
+        process = subprocess.Popen(  # noqa: ASYNC220 - Popen returns at once
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+    try:
+        say(f"starting llama-server ({cfg.model}, {cfg.parallel} slots) on {root}")
+        await _until_ready(process, root, cfg.ready_timeout_s, log_path)
+        server = LocalServer(
+            model=cfg.model, base_url=f"{root}/v1", log_path=str(log_path), parallel=cfg.parallel
+        )
+        say(f"local model ready at {server.base_url}")
+        yield server
+    finally:
+        with anyio.CancelScope(shield=True):
+            await _stop(process)
+
+
+async def _until_ready(
+    process: subprocess.Popen[bytes], root: str, limit_s: float, log_path: Path
+) -> None:
+    async with httpx2.AsyncClient(timeout=2.0) as http:
+        with anyio.move_on_after(limit_s):
+            while True:
+                if process.poll() is not None:
+                    raise UserError(
+                        f"llama-server exited with {process.returncode}:\n{_tail(log_path)}"
+                    )
+                try:
+                    if (await http.get(f"{root}/health")).status_code == 200:
+                        return
+                except httpx2.TransportError:
+                    pass
+                await anyio.sleep(0.25)
+    raise UserError(f"llama-server not ready after {limit_s:g} s:\n{_tail(log_path)}")
+
+
+async def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is not None:
+        return
+    process.terminate()
+    with anyio.move_on_after(15):
+        while process.poll() is None:  # noqa: ASYNC110 - a child process, no event to await
+            await anyio.sleep(0.05)
+        return
+    process.kill()
+    await anyio.to_thread.run_sync(process.wait)
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+__all__ = ["LocalServer", "local_model", "prepare", "role_config"]

@@ -1,0 +1,120 @@
+"""Tasks an agent answers, and the scorers that judge its answers.
+
+A :class:`Task` is what an agent is asked and what counts as right: the question, the reference
+answer and the name of the scorer that compares them. Task sets are plain lists of tasks, made
+by a generator (:mod:`combee_stream.tasks.generated`) or read from a dataset
+(:mod:`combee_stream.tasks.readers`); :func:`load_tasks` turns a ``SOURCE`` string of the CLI
+into one.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from typing import Final, Literal
+
+from msgspec import Struct
+
+ScorerName = Literal["numeric", "exact", "contains", "formula", "finer"]
+
+
+class Task(Struct, frozen=True, kw_only=True):
+    id: str
+    question: str
+    answer: str  # the reference answer, as text
+    scorer: ScorerName = "numeric"
+    family: str = ""  # what kind of task (a formula, a convention); for reports
+    metadata: dict[str, str] = {}
+
+
+_NUMBER = re.compile(r"[-+]?\d*\.?\d+(?:[eE][-+]?\d+)?")
+
+
+def parse_number(text: str) -> float | None:
+    """The number an answer states: commas, currency signs and a trailing % are ignored; when
+    several numbers appear, the last one counts (the conclusion of a reasoning)."""
+    cleaned = text.replace(",", "").replace("$", "").strip()
+    try:
+        value = float(cleaned.rstrip("%").strip())
+    except ValueError:
+        found = _NUMBER.findall(cleaned)
+        if not found:
+            return None
+        value = float(found[-1])
+    return value if math.isfinite(value) else None
+
+
+# Relative tolerance of the numeric scorer: tight enough that a convention error (monthly vs
+# yearly compounding, D0 for D1, a fraction for a percentage) fails, loose enough for the last
+# digit of a rounded result.
+NUMERIC_RTOL: Final = 1e-3
+
+
+def numeric(prediction: str, reference: str) -> bool:
+    got, want = parse_number(prediction), parse_number(reference)
+    if got is None or want is None:
+        return prediction.strip() == reference.strip()
+    return abs(got - want) <= max(NUMERIC_RTOL * abs(want), 0.005)
+
+
+def exact(prediction: str, reference: str) -> bool:
+    return prediction.strip().lower() == reference.strip().lower()
+
+
+def contains(prediction: str, reference: str) -> bool:
+    return reference.strip().lower() in prediction.lower()
+
+
+def formula(prediction: str, reference: str) -> bool:
+    """ACE's Formula rule: drop the commas, compare as floats; if either does not parse,
+    compare the strings."""
+    got, want = prediction.replace(",", "").strip(), reference.replace(",", "").strip()
+    try:
+        return float(got) == float(want)
+    except ValueError:
+        return got == want
+
+
+def finer_items(prediction: str, reference: str) -> tuple[int, int]:
+    """ACE's FiNER rule: split on commas, lower-case and strip each tag, truncate or pad the
+    prediction to the reference's length, compare item by item; (correct, total)."""
+    want = [t.strip().lower() for t in reference.split(",")]
+    got = [t.strip().lower() for t in prediction.split(",")][: len(want)]
+    got += [""] * (len(want) - len(got))
+    return sum(g == w for g, w in zip(got, want, strict=True)), len(want)
+
+
+def finer(prediction: str, reference: str) -> bool:
+    """A FiNER sample is correct only when every one of its tags is."""
+    correct, total = finer_items(prediction, reference)
+    return correct == total
+
+
+SCORERS: Final[dict[str, Callable[[str, str], bool]]] = {
+    "numeric": numeric,
+    "exact": exact,
+    "contains": contains,
+    "formula": formula,
+    "finer": finer,
+}
+
+
+def is_correct(task: Task, prediction: str) -> bool:
+    return SCORERS[task.scorer](prediction, task.answer)
+
+
+__all__ = [
+    "NUMERIC_RTOL",
+    "SCORERS",
+    "ScorerName",
+    "Task",
+    "contains",
+    "exact",
+    "finer",
+    "finer_items",
+    "formula",
+    "is_correct",
+    "numeric",
+    "parse_number",
+]

@@ -1,0 +1,170 @@
+"""Task sets, scorers, the calculator and the evaluation statistics (no model needed)."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from combee_stream.agent.calculator import CalculatorError, evaluate
+from combee_stream.errors import UserError
+from combee_stream.evaluation.stats import mcnemar_exact, paired, wilson
+from combee_stream.tasks import generate_tasks, is_correct, load_tasks, parse_number
+from combee_stream.tasks.base import Task, finer_items, formula, numeric
+
+DATASETS = Path(__file__).resolve().parents[2] / "shared" / "datasets"
+MONEY = r"\$([\d,]+(?:\.\d+)?)"
+
+
+def money(text: str) -> list[float]:
+    return [float(m.replace(",", "")) for m in re.findall(MONEY, text)]
+
+
+def percents(text: str) -> list[float]:
+    return [float(m) for m in re.findall(r"(\d+(?:\.\d+)?)%", text)]
+
+
+def independent_answer(task: Task) -> float:
+    """Each family recomputed from the question's text alone, another way than the generator."""
+    q = task.question
+    if task.family == "compound_interest":
+        (principal,), (rate,) = money(q), percents(q)
+        years = int(re.search(r"after (\d+) years", q).group(1))  # type: ignore[union-attr]
+        periods = {"monthly": 12, "quarterly": 4, "semi-annually": 2}[
+            re.search(r"compounded ([a-z-]+)", q).group(1)  # type: ignore[union-attr]
+        ]
+        balance = principal
+        for _ in range(periods * years):  # step by step, not the closed form
+            balance += balance * rate / 100 / periods
+        return balance
+    if task.family == "ratio_percent":
+        revenue, cost = money(q)
+        margin = 1 - cost / revenue
+        return margin * 100 if "in percent" in q else margin
+    if task.family == "npv":
+        investment, *flows = money(q)
+        (rate,) = percents(q)
+        factor, total = 1.0, -investment
+        for flow in flows:
+            factor /= 1 + rate / 100
+            total += flow * factor
+        return total
+    if task.family == "dividend_discount":
+        (dividend,), (growth, required) = money(q), percents(q)
+        # the value as the sum of the discounted dividend stream (truncated: converges)
+        g, k = growth / 100, required / 100
+        return sum(dividend * (1 + g) ** t / (1 + k) ** t for t in range(1, 4000))
+    if task.family == "loan_payment":
+        (principal,), (rate,) = money(q), percents(q)
+        months = 12 * int(re.search(r"over (\d+) years", q).group(1))  # type: ignore[union-attr]
+        low, high = 0.0, principal
+        for _ in range(200):  # bisect the payment that leaves a zero balance
+            payment = (low + high) / 2
+            balance = principal
+            for _ in range(months):
+                balance = balance * (1 + rate / 1200) - payment
+            low, high = (payment, high) if balance > 0 else (low, payment)
+        return (low + high) / 2
+    if task.family == "payments_needed":
+        debt, payment = money(q)
+        count, paid = 0, 0.0
+        while paid < debt - 1e-9:
+            paid += payment
+            count += 1
+        return float(count)
+    raise AssertionError(task.family)
+
+
+def test_generated_tasks_are_reproducible_balanced_and_disjoint_across_seeds() -> None:
+    first, again, other = generate_tasks(60, seed=1), generate_tasks(60, seed=1), generate_tasks(60)
+    assert first == again
+    assert {t.question for t in first}.isdisjoint({t.question for t in other})
+    assert len({t.id for t in first + other}) == 120
+    families = [t.family for t in first]
+    assert {families.count(f) for f in set(families)} == {10}  # six families, in turn
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_generated_answer_matches_an_independent_computation(seed: int) -> None:
+    for task in generate_tasks(120, seed=seed):
+        expected = independent_answer(task)
+        assert math.isclose(float(task.answer), expected, rel_tol=2e-6, abs_tol=1e-4), task
+        assert is_correct(task, f"{expected:.2f}")
+
+
+def test_the_numeric_scorer_tells_conventions_apart() -> None:
+    assert numeric("1,234.5", "1234.5000") and numeric("$1,234.50", "1234.5")
+    assert numeric("the answer is 42", "42.0000")
+    assert not numeric("12.5", "0.1250")  # a percentage for a fraction
+    assert not numeric("1338.23", "1348.85")  # yearly for monthly compounding (0.8% off)
+    assert not numeric("no idea", "42")
+    assert parse_number("12.5%") == 12.5 and parse_number("n/a") is None
+
+
+def test_ace_formula_and_finer_scoring_rules() -> None:
+    assert formula("15,092.44", "15092.44") and formula("2", "2.0")
+    assert not formula("15092.4363", "15092.44")  # ACE compares the floats exactly
+    assert formula("n/a", "n/a") and not formula("abc", "2.0")
+    assert finer_items("A, b,C", "a,B,c") == (3, 3)
+    assert finer_items("a,x", "a,b,c") == (1, 3)  # padded to the reference's length
+    assert finer_items("a,b,c,d", "a,b") == (2, 2)  # truncated
+    finer_task = Task(id="f", question="q", answer="a,b", scorer="finer")
+    assert is_correct(finer_task, "a,b") and not is_correct(finer_task, "a,c")
+
+
+@pytest.mark.skipif(not DATASETS.is_dir(), reason="the shared datasets are not here")
+def test_readers_of_the_ace_and_gsm8k_files() -> None:
+    train = load_tasks(f"formula:{DATASETS / 'ace-finance' / 'formula_train_subset_500.jsonl'}")
+    val = load_tasks(f"formula:{DATASETS / 'ace-finance' / 'formula_val_subset_300.jsonl'}")
+    assert (len(train), len(val)) == (500, 300)
+    assert {t.question for t in train}.isdisjoint({t.question for t in val})
+    assert train[0].family == "Current Ratio" and train[0].answer == "2.0"
+    assert is_correct(train[0], "2.00")
+    finer = load_tasks(
+        f"finer:{DATASETS / 'ace-finance' / 'finer_val_batched_500_samples.jsonl'}", limit=5
+    )
+    assert len(finer) == 5 and all(t.answer.count(",") == 3 for t in finer)
+    gsm = load_tasks(f"gsm8k:{DATASETS / 'gsm8k' / 'test.jsonl'}", limit=3)
+    assert gsm[0].answer == "18" and is_correct(gsm[0], "$18")
+
+
+def test_unknown_task_sources_are_clear_errors() -> None:
+    with pytest.raises(UserError, match="generated"):
+        load_tasks("nonsense")
+    with pytest.raises(UserError, match="cannot read"):
+        load_tasks("formula:/no/such/file.jsonl")
+
+
+def test_the_calculator_evaluates_arithmetic_and_nothing_else() -> None:
+    assert evaluate("round(10000 * (1 + 0.05/12) ** (12*10), 2)") == 16470.09
+    assert evaluate("ceil(1234 / 150)") == 9
+    assert evaluate("2^10") == 1024 and evaluate("1,000 * 2") == 2000
+    assert evaluate("sum([1, 2, 3]) + max(1, 4)") == 10
+    for bad in ("__import__('os')", "open('x')", "x + 1", "10 ** 10 ** 10", "1 / 0", ""):
+        with pytest.raises(CalculatorError):
+            evaluate(bad)
+
+
+def test_wilson_interval_known_values() -> None:
+    low, high = wilson(81, 263)  # Newcombe (1998), table I example
+    assert (round(low, 4), round(high, 4)) == (0.2553, 0.3662)
+    assert wilson(0, 10)[0] == 0.0 and wilson(10, 10)[1] == 1.0
+    assert wilson(0, 0) == (0.0, 1.0)
+
+
+def test_paired_comparison_and_mcnemar() -> None:
+    assert mcnemar_exact(0, 0) == 1.0
+    assert math.isclose(mcnemar_exact(1, 9), 2 * 11 / 1024)
+    a = [True] * 20 + [False] * 40 + [True] * 2 + [False] * 38
+    b = [True] * 20 + [True] * 40 + [False] * 2 + [False] * 38
+    result = paired(a, b)
+    assert (result.both, result.only_a, result.only_b, result.neither) == (20, 2, 40, 38)
+    assert math.isclose(result.difference, 0.38)
+    assert 0 < result.ci95[0] < 0.38 < result.ci95[1] < 1
+    assert result.mcnemar_p < 1e-6
+    same = paired(a, a)
+    assert same.difference == 0 and same.ci95[0] < 0 < same.ci95[1] and same.mcnemar_p == 1.0
+    with pytest.raises(ValueError):
+        paired([True], [True, False])
