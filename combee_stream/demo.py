@@ -1,14 +1,24 @@
-"""``combee-stream demo``: the whole loop on this machine, with a simulated LLM.
+"""``combee-stream demo``: the whole loop on this machine, with a REAL model and no API key.
 
-Starts the local broker, creates the topics, seeds a prompt, starts the simulated LLM and the
-engine, sends synthetic traces (and one bad record), and prints what an agent would see: the
-bad record's DLQ reason and every new prompt version as it is published.
+1. the local Kafka broker and fresh topics (every run learns from scratch);
+2. an LLM: the config's agent endpoint if one is set, else a local model served here by
+   llama.cpp (``llm serve``; the first run builds it: say so, show progress);
+3. the engine, with the batch-size controller;
+4. the example agent at work on generated finance problems: every task is answered with the
+   current prompt of key ``finance`` and sent back as a trace with the environment's feedback;
+5. live in the terminal (rich): accuracy of the agent per prompt version, the batch size the
+   controller chose, the playbook growing;
+6. at the end, before/after on held-out tasks: the base prompt against the newest one, paired.
+
+``demo --sim`` is the quick demo against the project's simulated LLM (no model to build).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import uuid
+from contextlib import AsyncExitStack
 from typing import Any
 
 import anyio
@@ -29,11 +39,18 @@ from combee_stream.sim import LatencyModel, SimSettings, generate_traces, sim_se
 
 def register(sub: Any) -> None:
     parser = sub.add_parser(
-        "demo", help="run the whole loop locally: broker, simulated LLM, engine, traces, prompts"
+        "demo",
+        help="the whole loop locally: broker, a real local model (or --sim), engine, an agent",
     )
-    parser.add_argument("--traces", type=int, default=60, help="synthetic traces to send")
-    parser.add_argument("--keys", type=int, default=2)
-    parser.add_argument("--lessons", type=int, default=12, help="distinct lessons per key")
+    parser.add_argument("--sim", action="store_true", help="the quick simulated-LLM demo")
+    parser.add_argument("--tasks", type=int, default=24, help="tasks the agent works on")
+    parser.add_argument("--held-out", type=int, default=12, help="tasks of the before/after")
+    parser.add_argument("--model", default=None, help="local model (default: local_llm.model)")
+    parser.add_argument("--seed", type=int, default=None, help="task seed (default: random)")
+    # the simulated demo
+    parser.add_argument("--traces", type=int, default=60, help="--sim: synthetic traces to send")
+    parser.add_argument("--keys", type=int, default=2, help="--sim: keys")
+    parser.add_argument("--lessons", type=int, default=12, help="--sim: distinct lessons per key")
     parser.set_defaults(handler=_demo)
 
 
@@ -42,35 +59,47 @@ def say(text: str) -> None:
 
 
 async def _demo(args: argparse.Namespace, config: Config) -> int:
-    say("1. starting the local Kafka broker (first run downloads the jars with Maven)")
-    bootstrap = await anyio.to_thread.run_sync(start_broker, config.broker)
-    kafka = msgspec.structs.replace(config.kafka, bootstrap_servers=bootstrap)
-    say(f"   broker ready at {bootstrap}")
-    say("2. creating topics")
-    for topic, state in (await ensure_topics(kafka)).items():
-        say(f"   {topic}: {state}")
+    if args.sim:
+        return await _sim_demo(args, config)
+    from combee_stream.live_demo import run_live_demo
 
+    return await run_live_demo(args, config)
+
+
+async def _fresh_kafka(config: Config) -> Config:
+    say("starting the local Kafka broker (the first run downloads its jars with Maven)")
+    bootstrap = await anyio.to_thread.run_sync(start_broker, config.broker)
+    run = f"demo.{uuid.uuid4().hex[:8]}"
+    kafka = msgspec.structs.replace(
+        config.kafka,
+        bootstrap_servers=bootstrap,
+        traces_topic=f"{run}.traces",
+        prompts_topic=f"{run}.prompts",
+        dlq_topic=f"{run}.dlq",
+        group_id=run,
+    )
+    say(f"   broker ready at {bootstrap}; topics {run}.*")
+    await ensure_topics(kafka)
+    return msgspec.structs.replace(config, kafka=kafka)
+
+
+async def _sim_demo(args: argparse.Namespace, config: Config) -> int:
+    say("1. the simulated-LLM demo (no real model: every number below is simulated)")
+    cfg = await _fresh_kafka(config)
+    kafka = cfg.kafka
     traces = generate_traces(args.traces, args.keys, args.lessons, seed=7)
     keys = sorted({t.key for t in traces})
-    # A fresh group per run, so every run learns its own traces from the start of the topic.
-    run_id = f"demo-{anyio.current_time():.0f}"
-    kafka = msgspec.structs.replace(kafka, group_id=run_id)
-    cfg = msgspec.structs.replace(config, kafka=kafka)
-
     settings = SimSettings(seed=7, latency=LatencyModel(base_s=0.3, per_output_token_s=0.002))
-    async with sim_server(settings) as llm:
-        say(f"3. simulated LLM (not a real model) at {llm.base_url}")
+    async with AsyncExitStack() as stack:
+        llm = await stack.enter_async_context(sim_server(settings))
+        say(f"2. simulated LLM (not a real model) at {llm.base_url}")
         cfg = msgspec.structs.replace(
             cfg,
             llm=simulated_llm(llm.base_url, cfg.llm),
             engine=msgspec.structs.replace(cfg.engine, metrics_port=0),
         )
-        say(f"4. seeding a prompt for {keys[0]}")
-        try:
-            await seed_prompt(cfg, keys[0], "You are a careful back-office agent.")
-        except Exception as exc:  # already seeded by an earlier demo run
-            say(f"   (kept the existing prompt: {exc})")
-
+        say(f"3. seeding a prompt for {keys[0]}")
+        await seed_prompt(cfg, keys[0], "You are a careful back-office agent.")
         engine = Engine(cfg)
         async with anyio.create_task_group() as tg:
             tg.start_soon(engine.run)
@@ -78,14 +107,14 @@ async def _demo(args: argparse.Namespace, config: Config) -> int:
             async with PromptSubscriber(kafka, keys=set(keys)) as prompts:
                 for update in prompts.snapshot().values():
                     say(f"   subscriber sees {update.key} v{update.version} (seed)")
-                say(f"5. sending {len(traces)} traces over {len(keys)} keys, and one bad record")
+                say(f"4. sending {len(traces)} traces over {len(keys)} keys, and one bad record")
                 async with TraceProducer(kafka) as producer:
                     await producer.send_raw(keys[0], b'{"key": "' + keys[0].encode() + b'"}')
                     for trace in traces:
                         await producer.send(trace)
                 await _show_dead_letter(kafka)
-                say("6. prompt versions as the engine publishes them:")
-                learned = {k: 0 for k in keys}
+                say("5. prompt versions as the engine publishes them:")
+                learned = dict.fromkeys(keys, 0)
                 want = {k: sum(t.key == k for t in traces) for k in keys}
                 with anyio.move_on_after(180):
                     async for update in prompts:
@@ -100,7 +129,7 @@ async def _demo(args: argparse.Namespace, config: Config) -> int:
             engine.stop()
         newest = prompts.latest(keys[0])
         if newest is not None:
-            say(f"7. the newest prompt of {newest.key} (v{newest.version}):\n")
+            say(f"6. the newest prompt of {newest.key} (v{newest.version}):\n")
             say(newest.prompt)
     say("\nThe broker keeps running: `combee-stream kafka stop` stops it.")
     return 0

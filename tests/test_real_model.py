@@ -1,9 +1,11 @@
-"""Smoke test against a REAL model: SmolLM2-135M-Instruct behind llama-cpp-python's server.
+"""Smoke test against a REAL model: SmolLM2-135M-Instruct behind llama.cpp's ``llama-server``,
+started with the project's own ``combee-stream llm serve``.
 
 The simulator tests cover the logic; these check the plumbing that only a real server exercises:
 ``json_object`` + ``schema`` (grammar-constrained) replies that msgspec accepts, real token usage,
-the memo on a real reply, and a full learner window producing a valid playbook. The model is
-tiny and weak, so nothing here looks at what it wrote, only at the shape.
+the memo on a real reply, a full learner window producing a valid playbook, and one ``eval``
+run of the example agent. The model is tiny and weak, so nothing here looks at what it wrote,
+only at the shape.
 
 Why the roles set ``max_string_chars`` / ``max_list_items``: the grammar llama.cpp derives from
 a JSON Schema fixes the shape but not the length. With unbounded strings and arrays, SmolLM2 at
@@ -12,26 +14,32 @@ temperature 0 loops (``"15% of 80% of 20% of ..."``, one more operation after an
 to the schema it sends (replies are still validated against the full types), so every reply ends
 well inside ``max_tokens``.
 
-Needs ``.venv-llm`` (``make llm-venv``, i.e. ``python tests/realmodel.py``): skipped without it,
-failed when CI=true. Run alone with ``.venv/bin/pytest -m realmodel``.
+Needs the llama-server build and the model (``make llm-prepare``, i.e. ``combee-stream llm
+prepare --model smollm2-135m``): skipped without them, failed when CI=true. Run alone with
+``.venv/bin/pytest -m realmodel``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import socket
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Annotated, Final, Literal, TypeVar
 
 import anyio
 import msgspec
 import pytest
-import realmodel
 
 from combee_stream.config import LearningConfig, LLMConfig
 from combee_stream.core.learner import Learner, WindowResult
 from combee_stream.core.llm import ChatMessage, Completion, LLMClient, RoleUsage
 from combee_stream.core.playbook import new_playbook, render
+from combee_stream.localllm.build import is_built
 from combee_stream.schemas import (
     Feedback,
     Playbook,
@@ -44,8 +52,9 @@ from combee_stream.schemas import (
 
 T = TypeVar("T")
 
-# Relative to the repository (make passes COMBEE_LLM_VENV=$(LLM_VENV)).
-VENV: Final = realmodel.REPO / os.environ.get("COMBEE_LLM_VENV", str(realmodel.DEFAULT_VENV))
+REPO: Final = Path(__file__).resolve().parent.parent
+STATE: Final = REPO / ".state" / "llm"
+MODEL: Final = "smollm2-135m"
 KEY: Final = "smoke"
 # Above the longest reply the bounded schemas allow in practice (about 600 characters).
 MAX_TOKENS: Final = 400
@@ -58,23 +67,47 @@ def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("true", "1", "yes")
 
 
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 @pytest.fixture(scope="module")
 def llama_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Base URL (without /v1) of a llama.cpp server running SmolLM2 for this module."""
-    if not realmodel.is_ready(VENV):
-        reason = f"{VENV} is not set up: run `make llm-venv` (python tests/realmodel.py)"
+    """Base URL (without /v1) of ``combee-stream llm serve`` running SmolLM2 for this module."""
+    if not (is_built(STATE) and (STATE / "models" / f"{MODEL}.gguf").is_file()):
+        reason = f"no llama-server build or {MODEL} in {STATE}: run `make llm-prepare`"
         if _in_ci():
             pytest.fail(reason, pytrace=False)
         pytest.skip(reason)
-    log = tmp_path_factory.mktemp("llama") / "server.log"
-    with realmodel.llama_server(VENV, log) as url:
-        yield url
+    log = tmp_path_factory.mktemp("llama") / "serve.log"
+    port = _free_port()
+    command = [
+        sys.executable, "-m", "combee_stream", "llm", "serve", "--model", MODEL,
+        "--port", str(port), "--parallel", "1", "--state-dir", str(STATE),
+    ]  # fmt: skip
+    with log.open("wb") as err:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, cwd=REPO)
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline().decode().strip()  # printed once it answers
+        if not line.startswith("http://"):
+            process.kill()
+            pytest.fail(f"llm serve did not start:\n{log.read_text()[-3000:]}", pytrace=False)
+        yield line.removesuffix("/v1")
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 def llm_config(url: str) -> LLMConfig:
     role = {
         "base_url": f"{url}/v1",
-        "model": "local",
+        "model": MODEL,
         "mode": "json_object",
         "temperature": 0.0,
         "max_tokens": MAX_TOKENS,
@@ -202,3 +235,31 @@ def test_learner_window_on_real_model_yields_valid_playbook(llama_url: str) -> N
         assert role.tokens_in > 0 and role.tokens_out > 0
     assert result.stats.tokens_in == reflector.tokens_in + curator.tokens_in
     assert result.stats.tokens_out == reflector.tokens_out + curator.tokens_out
+
+
+@pytest.mark.realmodel
+@pytest.mark.timeout(900)
+def test_eval_runs_the_example_agent_on_the_real_model(llama_url: str) -> None:
+    role = {
+        "BASE_URL": f"{llama_url}/v1",
+        "MODEL": MODEL,
+        "MODE": '"json_object"',
+        "MAX_TOKENS": str(MAX_TOKENS),
+        "MAX_STRING_CHARS": "200",
+        "MAX_LIST_ITEMS": "2",
+    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMBEE__")}
+    env.update({f"COMBEE__LLM__AGENT__{k}": v for k, v in role.items()})
+    env.update({"COMBEE__LLM__TIMEOUT_S": "300", "COMBEE__LLM__CONCURRENCY": "1"})
+    command = [
+        sys.executable, "-m", "combee_stream", "--log-level", "warning", "eval",
+        "--tasks", "generated:5", "--limit", "2", "--concurrency", "1", "--json",
+    ]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=800, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["n"] == 2 and report["errors"] == 0, report
+    assert 0.0 <= report["accuracy"] <= 1.0
+    low, high = report["ci95"]
+    assert 0.0 <= low <= report["accuracy"] <= high <= 1.0
+    assert set(report["by_family"]) == {"compound_interest", "ratio_percent"}

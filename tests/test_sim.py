@@ -50,6 +50,7 @@ from combee_stream.sim import (
 )
 from combee_stream.sim.cli import settings_from_args
 from combee_stream.sim.embed import cosine
+from combee_stream.sim.markers import Lesson, find_lessons
 from combee_stream.sim.roles import CURATOR_SECTION
 
 pytestmark = pytest.mark.anyio
@@ -468,3 +469,59 @@ def test_blocking_server_serves_sync_clients_from_a_thread() -> None:
         )
         assert "LESSON[k0-l004]" in (reply.choices[0].message.content or "")
         assert server.stats()["roles"]["reflector"]["completed"] == 1
+
+
+# --------------------------------------------------------------------------- agent, realism
+
+
+def test_simulated_agent_is_right_exactly_when_its_prompt_carries_the_lesson() -> None:
+    from combee_stream.sim.roles import answer
+    from combee_stream.sim.tasks import sim_tasks, task_code
+    from combee_stream.tasks import is_correct
+
+    tasks = sim_tasks(6, keys=1, lessons=3, seed=4)
+    assert [t.metadata["lesson"] for t in tasks] == ["k0-l000", "k0-l001", "k0-l002"] * 2
+    prompt_with = (
+        "## STRATEGIES & INSIGHTS\n"
+        "[strat-00001] helpful=0 harmful=0 :: LESSON[k0-l001]: text of k0-l001\n"
+    )
+    for task in tasks:
+        user = f"Answer.\n<question>\n{task.question}\n</question>"
+        knows = task.metadata["lesson"] == "k0-l001"
+        out = answer(prompt_with, user, seed=4)
+        assert is_correct(task, out.final_answer) == knows, task.id
+        assert out.bullet_ids == (["strat-00001"] if knows else [])
+        assert not is_correct(task, answer("", user, seed=4).final_answer)
+    assert task_code(4, "k0-l001") == int(tasks[1].answer)
+    assert "LESSON[k0-l000]" in tasks[0].metadata["feedback"]
+
+
+def test_realism_makes_the_simulated_roles_err_as_real_models_do() -> None:
+    from combee_stream.sim.roles import curate, paraphrase, reflect
+    from combee_stream.sim.settings import RealismModel
+
+    lesson = Lesson(
+        "k0-l001", "When the API returns an empty page, retry once with a smaller request."
+    )
+    assert paraphrase(lesson).text == lesson.text.replace("retry", "repeat", 1)
+    prompts = [reflector_prompt([f"k0-l{i:03d}"], False, bullets=[]) for i in range(400)]
+    playbook = "<playbook>\n[strat-00007] helpful=0 harmful=0 :: old\n</playbook>\n"
+    off = [reflect(playbook + p, seed=1) for p in prompts]
+    assert all(len(find_lessons(o.key_insight)) == 1 and not o.bullet_tags for o in off)
+    real = RealismModel(miss=0.2, invent=0.3, uncited_tags=0.25)
+    on = [reflect(playbook + p, seed=1, realism=real) for p in prompts]
+    missed = sum(not any(x.id.startswith("k0-") for x in find_lessons(o.key_insight)) for o in on)
+    invented = sum(
+        any(x.id.startswith("invented-") for x in find_lessons(o.key_insight)) for o in on
+    )
+    tagged = sum(bool(o.bullet_tags) for o in on)
+    assert 40 <= missed <= 120 and 80 <= invented <= 160 and 60 <= tagged <= 140
+    assert all(t.bullet_id == "strat-00007" for o in on for t in o.bullet_tags)
+    reworded = curate(
+        curator_prompt(["k0-l001"] * 2, playbook_lessons=[]),
+        seed=1,
+        capacity=None,
+        realism=RealismModel(paraphrase=1.0),
+    )
+    (op,) = reworded.operations
+    assert isinstance(op, AddOp) and "text of k0-l001" in op.content

@@ -17,26 +17,29 @@ from typing import Any
 import anyio
 import msgspec
 
-from combee_stream.bench import latency, overhead, plots, saturation, scaling
+from combee_stream.bench import latency, overhead, plots, quality, saturation, scaling
 from combee_stream.bench.report import describe_latency
 from combee_stream.bench.vclock import VirtualClockLoop
 from combee_stream.config import Config
 from combee_stream.errors import UserError
 from combee_stream.logs import configure_logging
 
-SUITES = ("scaling", "saturation", "overhead", "latency")
+SUITES = ("scaling", "saturation", "overhead", "latency", "quality")
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="benchmarks against the simulated LLM: scaling, saturation, overhead, latency",
+        help="benchmarks: scaling, saturation, overhead, latency (simulated LLM); quality "
+        "(a real model)",
         description=(
-            "Run one benchmark suite against the project's SIMULATED LLM (never a real model). "
-            "scaling: sequential vs naive vs combee over batch sizes; saturation: engine "
-            "throughput vs the endpoint's bound C/(L*calls per trace); overhead: engine vs a "
-            "bare Kafka consumer, and peak memory under a backlog; latency: trace-to-publish "
-            "latency, pipelined vs synchronous windows."
+            "scaling, saturation, overhead and latency run against the project's SIMULATED LLM "
+            "(never a real model): sequential vs naive vs combee over batch sizes; engine "
+            "throughput vs the endpoint's bound C/(L*calls per trace); engine vs a bare Kafka "
+            "consumer, and peak memory under a backlog; trace-to-publish latency, pipelined vs "
+            "synchronous windows. quality runs a REAL model (--local MODEL starts one here, or "
+            "the config's LLM roles): held-out accuracy of the agent with the base prompt and "
+            "with each strategy's learned playbook."
         ),
     )
     parser.add_argument("suite", choices=SUITES)
@@ -56,6 +59,17 @@ def register(subparsers: Any) -> None:
         ),
     )
     parser.add_argument("--seed", type=int, default=0)
+    q = parser.add_argument_group("quality (a real model)")
+    q.add_argument(
+        "--local", default=None, metavar="MODEL", help="start this local model (llm serve) first"
+    )
+    q.add_argument("--train", default="generated:1", help="training task source")
+    q.add_argument("--train-n", type=int, default=60)
+    q.add_argument("--held-out", default="generated:2", help="held-out task source")
+    q.add_argument("--held-out-n", type=int, default=120)
+    q.add_argument("--batch-size", type=int, default=12, help="for naive and combee")
+    q.add_argument("--strategies", default="sequential,naive,combee")
+    q.add_argument("--work", type=Path, default=None, help="traces and playbooks (resumable)")
     broker = parser.add_argument_group("local Kafka broker (saturation, overhead, latency)")
     broker.add_argument("--broker-port", type=int, default=None, help="default: broker.port")
     broker.add_argument("--broker-controller-port", type=int, default=None)
@@ -84,7 +98,13 @@ class Outcome(msgspec.Struct):
 
 
 def run_suite(
-    suite: str, config: Config, *, quick: bool, time_scale: float | None, seed: int
+    suite: str,
+    config: Config,
+    *,
+    quick: bool,
+    time_scale: float | None,
+    seed: int,
+    args: argparse.Namespace | None = None,
 ) -> Outcome:
     """Run one suite to completion (each suite owns its event loop)."""
     if time_scale is not None and time_scale <= 0:
@@ -110,7 +130,49 @@ def run_suite(
         la = anyio.run(latency.run_latency, config, ls)
         subtitle = f"Latency: {describe_latency(la.latency_model)}."
         return Outcome(la, latency.markdown(la), subtitle, plots.latency_plots)
+    if suite == "quality":
+        assert args is not None
+        qr = anyio.run(_quality, config, args, quick)
+        subtitle = f"Model: {qr.settings.model}; held-out n = {qr.settings.held_out_n}."
+        return Outcome(qr, quality.markdown(qr), subtitle, plots.quality_plots)
     raise UserError(f"unknown suite {suite!r} (one of {', '.join(SUITES)})")
+
+
+async def _quality(config: Config, args: argparse.Namespace, quick: bool) -> quality.QualityReport:
+    from combee_stream.localllm import local_model
+    from combee_stream.localllm.server import local_llm_config
+
+    strategies = [x for x in args.strategies.split(",") if x]
+    unknown = set(strategies) - set(quality.STRATEGIES)
+    if unknown:
+        raise UserError(f"--strategies: unknown {sorted(unknown)}")
+    settings = quality.QualitySettings(
+        model=args.local or config.llm.agent.model,
+        train=args.train,
+        train_n=6 if quick else args.train_n,
+        held_out=args.held_out,
+        held_out_n=6 if quick else args.held_out_n,
+        strategies=strategies,
+        batch_size=3 if quick else args.batch_size,
+        concurrency=config.llm.concurrency,
+    )
+    work = args.work or (args.out / "quality-work" if args.out else Path(".state/bench-quality"))
+    if args.local is None:
+        return await quality.run_quality(config, settings, work)
+    cfg = msgspec.structs.replace(config.local_llm, model=args.local, port=_free_port())
+    async with local_model(cfg) as server:
+        llm = local_llm_config(server, config.llm)
+        settings = msgspec.structs.replace(settings, concurrency=server.parallel)
+        return await quality.run_quality(msgspec.structs.replace(config, llm=llm), settings, work)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def handle(args: argparse.Namespace, config: Config) -> int:
@@ -125,6 +187,7 @@ def handle(args: argparse.Namespace, config: Config) -> int:
         quick=args.quick,
         time_scale=args.time_scale,
         seed=args.seed,
+        args=args,
     )
     as_json = msgspec.json.encode(outcome.report)
     if args.json:

@@ -16,6 +16,7 @@ from combee_stream.errors import UserError
 if TYPE_CHECKING:
     from combee_stream.bench.latency import LatencyReport
     from combee_stream.bench.overhead import OverheadReport
+    from combee_stream.bench.quality import QualityReport
     from combee_stream.bench.saturation import SaturationReport
     from combee_stream.bench.scaling import ScalingReport
 
@@ -53,8 +54,8 @@ def _plain_log_axis(axis: Any, ticks: Sequence[float] | None = None) -> None:
     axis.set_minor_formatter(NullFormatter())
 
 
-def _save(plt: Any, fig: Any, path: Path, subtitle: str) -> Path:
-    fig.text(0.01, 0.005, f"{SIMULATED}\n{subtitle}", fontsize=7, color="#666666")
+def _save(plt: Any, fig: Any, path: Path, subtitle: str, llm: str = SIMULATED) -> Path:
+    fig.text(0.01, 0.005, f"{llm}\n{subtitle}", fontsize=7, color="#666666")
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -242,9 +243,31 @@ def latency_plots(report: LatencyReport, out: Path, subtitle: str) -> list[Path]
     return [_save(plt, fig, out / "latency.png", subtitle)]
 
 
+def quality_plots(report: QualityReport, out: Path, subtitle: str) -> list[Path]:
+    """Held-out accuracy per prompt with its 95% interval."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    rows = report.results
+    xs = list(range(len(rows)))
+    accuracy = [r.accuracy for r in rows]
+    below = [r.accuracy - r.ci95[0] for r in rows]
+    above = [r.ci95[1] - r.accuracy for r in rows]
+    colours = [_COLOURS.get(r.prompt, "#7570b3") for r in rows]
+    ax.bar(xs, accuracy, color=colours, alpha=0.8)
+    ax.errorbar(xs, accuracy, yerr=[below, above], fmt="none", ecolor="black", capsize=4)
+    ax.set_xticks(xs, [r.prompt for r in rows])
+    ax.set_ylim(0, 1)
+    ax.set_ylabel(f"held-out accuracy (n = {rows[0].n if rows else 0}, 95% Wilson CI)")
+    ax.set_title(f"{report.settings.model}: base prompt vs learned playbooks", fontsize=9)
+    ax.grid(True, axis="y", alpha=0.3)
+    llm = f"Real model: {report.settings.model} (not simulated)."
+    return [_save(plt, fig, out / "quality_accuracy.png", subtitle, llm)]
+
+
 __all__ = [
     "latency_plots",
     "overhead_plots",
+    "quality_plots",
     "require_matplotlib",
     "saturation_plots",
     "scaling_plots",

@@ -66,14 +66,17 @@ def document(
     body: str,
     targets: Sequence[Target],
     notes: Sequence[str],
+    *,
+    llm: str = SIMULATED,
 ) -> str:
-    """The Markdown of one suite: title, the simulated-LLM statement, settings, table, targets."""
-    parts = [f"## {title}", "", f"**{SIMULATED}**", ""]
+    """The Markdown of one suite: title, which LLM (the simulator unless ``llm`` says which real
+    model), settings, table, targets."""
+    parts = [f"## {title}", "", f"**{llm}**", ""]
     parts += [f"- {line}" for line in preamble]
     parts += ["", body, ""]
     if targets:
         parts += [
-            "Targets (issue 5):",
+            "Targets:",
             "",
             table(
                 ["target", "wanted", "measured", "met"],

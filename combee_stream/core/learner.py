@@ -56,7 +56,7 @@ from combee_stream.core.delta import empty, merge, rebase
 from combee_stream.core.gate import AcceptAll, Candidate, PublishGate
 from combee_stream.core.hygiene import review_adds
 from combee_stream.core.llm import ChatMessage, Completion, LLMCallError, LLMClient, Role
-from combee_stream.core.outputs import CuratorOutput, ReflectorOutput
+from combee_stream.core.outputs import CuratorOutput, ReflectorOutput, ReflectorOutputNoTags
 from combee_stream.core.playbook import (
     ApplyResult,
     EmbedFn,
@@ -296,7 +296,11 @@ class Learner:
         (never raised, never dropped)."""
         messages = reflector_messages(self._prompts, snapshot, trace)
         try:
-            out = await self._call("reflector", messages, ReflectorOutput, stats)
+            if trace.bullet_ids:
+                out = await self._call("reflector", messages, ReflectorOutput, stats)
+            else:
+                bare = await self._call("reflector", messages, ReflectorOutputNoTags, stats)
+                out = ReflectorOutput(**msgspec.structs.asdict(bare))
         except LLMCallError as exc:
             return FailedTrace(source=source, reason=str(exc))
         # Only the bullets the agent says it used can be credited or blamed: a reflector that

@@ -19,6 +19,17 @@ class ReflectorOutput(Struct, forbid_unknown_fields=False):
     bullet_tags: list[BulletTag] = []
 
 
+class ReflectorOutputNoTags(Struct, forbid_unknown_fields=False):
+    """The reflector's output for a trace that cited no bullet: nothing to tag, so the schema
+    does not ask for tags (small models otherwise fill the list with invented ids)."""
+
+    reasoning: str
+    error_identification: str
+    root_cause_analysis: str
+    correct_approach: str
+    key_insight: str
+
+
 class CuratorOutput(Struct, forbid_unknown_fields=False):
     """Playbook operations proposed by a curator (level-1 node) or a combiner (level-2 node)."""
 
@@ -33,4 +44,4 @@ ROLE_OUTPUTS: dict[str, type[Struct]] = {
 }
 
 
-__all__ = ["ROLE_OUTPUTS", "CuratorOutput", "ReflectorOutput"]
+__all__ = ["ROLE_OUTPUTS", "CuratorOutput", "ReflectorOutput", "ReflectorOutputNoTags"]

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import anyio
 import httpx2
+import msgspec
 from msgspec import Struct
 
-from combee_stream.config import LocalLLMConfig, RoleConfig
+from combee_stream.config import LLMConfig, LocalLLMConfig, RoleConfig
 from combee_stream.errors import UserError
 from combee_stream.localllm.build import ensure_llama_server
 from combee_stream.localllm.models import ensure_model, model_spec
@@ -49,6 +50,25 @@ def role_config(server: LocalServer, **overrides: object) -> RoleConfig:
         model=server.model,
         mode="json_object",
         **overrides,  # type: ignore[arg-type]
+    )
+
+
+def local_llm_config(server: LocalServer, llm: LLMConfig | None = None) -> LLMConfig:
+    """Every role on ``server``, bounded for a small grammar-constrained model: its strings and
+    lists get maximum lengths in the schema (unbounded, small models repeat themselves until
+    ``max_tokens`` cuts the JSON) and ``max_tokens`` leaves room to finish; as many requests in
+    flight as it has slots, and timeouts sized for CPU decoding (a few tokens per second per
+    slot)."""
+    llm = llm or LLMConfig()
+    return msgspec.structs.replace(
+        llm,
+        reflector=role_config(server, max_tokens=600, max_string_chars=250, max_list_items=8),
+        curator=role_config(server, max_tokens=900, max_string_chars=400, max_list_items=8),
+        combiner=role_config(server, max_tokens=900, max_string_chars=400, max_list_items=12),
+        agent=role_config(server, max_tokens=600, max_string_chars=800, max_list_items=8),
+        concurrency=server.parallel,
+        timeout_s=max(llm.timeout_s, 900.0),
+        max_attempts=3,
     )
 
 
@@ -150,4 +170,4 @@ def _tail(path: Path, lines: int = 30) -> str:
         return "(no log)"
 
 
-__all__ = ["LocalServer", "local_model", "prepare", "role_config"]
+__all__ = ["LocalServer", "local_llm_config", "local_model", "prepare", "role_config"]

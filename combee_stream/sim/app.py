@@ -241,7 +241,7 @@ class SimApp:
         if role is None:
             raise BadRequest(
                 "the simulator cannot tell the role: no user message carries a <trace>, "
-                "<reflections> or <partial_updates> block",
+                "<reflections>, <partial_updates> or <question> block",
                 "messages",
             )
         settings, stats = self.settings, self._stats
@@ -254,7 +254,15 @@ class SimApp:
         if fault in ("429", "500"):
             await self._http_fault(send, fault)
             return
-        content = respond(role, prompt, seed=settings.seed, capacity=settings.overload)
+        system = "\n".join(text for role_, text in messages if role_ == "system")
+        content = respond(
+            role,
+            prompt,
+            seed=settings.seed,
+            capacity=settings.overload,
+            realism=settings.realism,
+            system=system,
+        )
         if fault == "malformed":
             content = malformed(content)
         elif fault == "schema_violation":

@@ -1,22 +1,29 @@
-"""Scripted behaviour of the three simulated LLM roles, as pure functions of the prompt they see.
+"""Scripted behaviour of the simulated LLM roles, as pure functions of the prompt they see.
 
 The role is identified by which block the user message carries: ``<partial_updates>`` (combiner),
-``<reflections>`` (curator) or ``<trace>`` (reflector); each tag sits on its own line.
+``<reflections>`` (curator), ``<trace>`` (reflector) or ``<question>`` (the agent); each tag sits
+on its own line. The roles work from the text they are shown: the lesson markers of simulated
+traces (:mod:`combee_stream.sim.markers`), never an instruction in the product's prompts.
+The :class:`~combee_stream.sim.settings.RealismModel` makes them err as real models do.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from typing import Literal
+from typing import Final, Literal
 
 import msgspec
 
+from combee_stream.agent.answerer import AgentOutput
 from combee_stream.core.outputs import CuratorOutput, ReflectorOutput
 from combee_stream.schemas import AddOp, BulletTag, Operation
+from combee_stream.sim.faults import unit
 from combee_stream.sim.markers import Lesson, distinct, find_lessons, mentions
+from combee_stream.sim.settings import RealismModel
+from combee_stream.sim.tasks import task_code, task_lesson
 
-Role = Literal["reflector", "curator", "combiner"]
+Role = Literal["reflector", "curator", "combiner", "agent"]
 CURATOR_SECTION = "STRATEGIES & INSIGHTS"
 
 # Checked in this order: a curator prompt never carries <partial_updates>, a reflector prompt
@@ -25,6 +32,7 @@ _ROLE_TAGS: tuple[tuple[str, Role], ...] = (
     ("partial_updates", "combiner"),
     ("reflections", "curator"),
     ("trace", "reflector"),
+    ("question", "agent"),
 )
 _PASSED_TRUE = re.compile(r"^[ \t]*passed:[ \t]*true[ \t]*$", re.MULTILINE | re.IGNORECASE)
 _BULLET_REF = re.compile(r"^[ \t]*\[([^\]\s]+)\]", re.MULTILINE)
@@ -49,13 +57,34 @@ def identify_role(prompt: str) -> Role | None:
     return None
 
 
-def reflect(prompt: str) -> ReflectorOutput:
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+_VAGUE = ("Be careful.", "Double-check the work.", "Read the task again.")
+
+
+def reflect(prompt: str, *, seed: int = 0, realism: RealismModel | None = None) -> ReflectorOutput:
     """Copy every lesson marker of the trace into ``key_insight``; tag each cited bullet helpful
-    if the trace passed, harmful otherwise."""
+    if the trace passed, harmful otherwise. With ``realism``: miss lessons, invent a vague one,
+    tag bullets the agent did not cite."""
+    realism = realism or RealismModel()
     trace = block(prompt, "trace") or ""
-    lessons = find_lessons(trace)
+    here = _digest(trace)
+    lessons = [
+        lesson
+        for lesson in find_lessons(trace)
+        if unit(seed, "miss", lesson.id, here) >= realism.miss
+    ]
+    if unit(seed, "invent", here) < realism.invent:
+        vague = _VAGUE[int(unit(seed, "vague", here) * len(_VAGUE))]
+        lessons.append(Lesson(f"invented-{here[:6]}", vague))
     passed = _PASSED_TRUE.search(trace) is not None
     used = _BULLET_REF.findall(block(prompt, "bullets_used") or "")
+    if unit(seed, "uncited", here) < realism.uncited_tags:
+        others = [b for b in _BULLET_REF.findall(block(prompt, "playbook") or "") if b not in used]
+        if others:
+            used = [*used, others[int(unit(seed, "which", here) * len(others))]]
     tag: Literal["helpful", "harmful"] = "helpful" if passed else "harmful"
     outcome = "succeeded" if passed else "did not succeed"
     return ReflectorOutput(
@@ -80,9 +109,41 @@ def _lesson_rank(seed: int, lesson_id: str) -> bytes:
     return hashlib.sha256(f"{seed}:{lesson_id}".encode()).digest()
 
 
-def curate(prompt: str, *, seed: int, capacity: int | None) -> CuratorOutput:
+_SYNONYMS: Final = {
+    "recompute": "recalculate",
+    "ask": "check",
+    "follow": "walk",
+    "merge": "join",
+    "infer": "deduce",
+    "retry": "repeat",
+    "read": "parse",
+    "answer": "reply",
+    "narrow": "restrict",
+    "report": "flag",
+    "track": "monitor",
+    "log": "record",
+    "cite": "quote",
+    "confirm": "verify",
+}
+
+
+def paraphrase(lesson: Lesson) -> Lesson:
+    """The same lesson with its first verb that has a synonym swapped (one word changed)."""
+    words = lesson.text.split(" ")
+    for i, word in enumerate(words):
+        if word in _SYNONYMS:
+            words[i] = _SYNONYMS[word]
+            break
+    return Lesson(lesson.id, " ".join(words))
+
+
+def curate(
+    prompt: str, *, seed: int, capacity: int | None, realism: RealismModel | None = None
+) -> CuratorOutput:
     """One ADD per distinct lesson of the reflections that the playbook does not yet carry,
-    thinned by the overload model (kept lessons chosen by sha256(seed, id), order preserved)."""
+    thinned by the overload model (kept lessons chosen by sha256(seed, id), order preserved);
+    with ``realism.paraphrase``, some ADDs are reworded."""
+    realism = realism or RealismModel()
     playbook = block(prompt, "playbook") or ""
     reflections = block(prompt, "reflections") or ""
     new = [
@@ -98,7 +159,18 @@ def curate(prompt: str, *, seed: int, capacity: int | None) -> CuratorOutput:
         reasoning=(
             f"Simulated curator: {len(new)} new lesson(s), kept {len(kept)} (capacity {limit})."
         ),
-        operations=[AddOp(section=CURATOR_SECTION, content=lesson.line) for lesson in kept],
+        operations=[
+            AddOp(
+                section=CURATOR_SECTION,
+                content=(
+                    paraphrase(lesson)
+                    if unit(seed, "paraphrase", lesson.id, _digest(reflections))
+                    < realism.paraphrase
+                    else lesson
+                ).line,
+            )
+            for lesson in kept
+        ],
     )
 
 
@@ -120,13 +192,50 @@ def combine(prompt: str) -> CuratorOutput:
     )
 
 
-def respond(role: Role, prompt: str, *, seed: int, capacity: int | None) -> bytes:
+def answer(system: str, prompt: str, *, seed: int) -> AgentOutput:
+    """The agent of simulated tasks (:mod:`combee_stream.sim.tasks`): right if and only if its
+    system prompt carries the lesson the task needs; it cites the bullets that carry it."""
+    question = block(prompt, "question") or ""
+    lesson_id = task_lesson(question)
+    if lesson_id is None:
+        return AgentOutput(
+            reasoning="Simulated agent: not a simulated task.",
+            bullet_ids=[],
+            expression="",
+            final_answer="unknown",
+        )
+    carriers = [
+        line.split("]", 1)[0].lstrip("[")
+        for line in system.splitlines()
+        if line.startswith("[") and mentions(line, lesson_id)
+    ]
+    knows = bool(carriers) or mentions(system, lesson_id)
+    code = task_code(seed, lesson_id)
+    return AgentOutput(
+        reasoning=f"Simulated agent: the prompt {'carries' if knows else 'lacks'} {lesson_id}.",
+        bullet_ids=carriers,
+        expression="",
+        final_answer=str(code if knows else code + 1),
+    )
+
+
+def respond(
+    role: Role,
+    prompt: str,
+    *,
+    seed: int,
+    capacity: int | None,
+    realism: RealismModel | None = None,
+    system: str = "",
+) -> bytes:
     """The JSON content the role answers with."""
-    output: ReflectorOutput | CuratorOutput
+    output: ReflectorOutput | CuratorOutput | AgentOutput
     if role == "reflector":
-        output = reflect(prompt)
+        output = reflect(prompt, seed=seed, realism=realism)
     elif role == "curator":
-        output = curate(prompt, seed=seed, capacity=capacity)
+        output = curate(prompt, seed=seed, capacity=capacity, realism=realism)
+    elif role == "agent":
+        output = answer(system, prompt, seed=seed)
     else:
         output = combine(prompt)
     return msgspec.json.encode(output)

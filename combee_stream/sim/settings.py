@@ -78,6 +78,28 @@ class FaultModel(Struct, forbid_unknown_fields=True, kw_only=True):
         }
 
 
+class RealismModel(Struct, forbid_unknown_fields=True, kw_only=True):
+    """What real models do that a perfect script would not (each a probability, drawn
+    deterministically per lesson or per trace from the seed). All off by default.
+
+    - ``paraphrase``: a curator rewords a lesson it adds (one word swapped for a synonym), so
+      the same lesson can reach the playbook twice under different words;
+    - ``miss``: a reflector misses the lesson a trace carries;
+    - ``invent``: a reflector adds a vague lesson of its own that no trace carries;
+    - ``uncited_tags``: a reflector also tags playbook bullets the agent never cited.
+    """
+
+    paraphrase: float = 0.0
+    miss: float = 0.0
+    invent: float = 0.0
+    uncited_tags: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("paraphrase", "miss", "invent", "uncited_tags"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"realism {name} must be in [0, 1]")
+
+
 class SimSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     """``overload``: curator capacity C (None = unlimited), see ``roles.curate``.
     ``time_scale``: simulated seconds per real second (10 = latencies run 10x faster)."""
@@ -86,6 +108,7 @@ class SimSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     overload: int | None = None
     latency: LatencyModel = field(default_factory=LatencyModel)
     faults: FaultModel = field(default_factory=FaultModel)
+    realism: RealismModel = field(default_factory=RealismModel)
     time_scale: float = 1.0
 
     def __post_init__(self) -> None:
@@ -95,4 +118,4 @@ class SimSettings(Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("time_scale must be > 0")
 
 
-__all__ = ["FaultModel", "LatencyModel", "SimSettings", "count_tokens"]
+__all__ = ["FaultModel", "LatencyModel", "RealismModel", "SimSettings", "count_tokens"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from combee_stream.errors import UserError
-from combee_stream.tasks.base import SCORERS, Task, is_correct, parse_number
+from combee_stream.tasks.base import SCORERS, Task, is_correct, parse_number, task_feedback
 from combee_stream.tasks.generated import KEY, generate_tasks
 from combee_stream.tasks.readers import read_finer, read_formula, read_gsm8k
 
@@ -46,4 +46,5 @@ __all__ = [
     "read_finer",
     "read_formula",
     "read_gsm8k",
+    "task_feedback",
 ]

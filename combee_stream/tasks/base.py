@@ -16,6 +16,8 @@ from typing import Final, Literal
 
 from msgspec import Struct
 
+from combee_stream.schemas import Feedback
+
 ScorerName = Literal["numeric", "exact", "contains", "formula", "finer"]
 
 
@@ -104,6 +106,23 @@ def is_correct(task: Task, prediction: str) -> bool:
     return SCORERS[task.scorer](prediction, task.answer)
 
 
+def task_feedback(task: Task, prediction: str) -> Feedback:
+    """What the environment tells the learner about one answer: right or wrong, the reference
+    answer (ACE's "with ground truth" setting), and on a wrong answer what the task set knows
+    beyond it: its worked reference solution (``metadata["solution"]``) and its own feedback
+    text (``metadata["feedback"]``, e.g. a checker's message)."""
+    ok = is_correct(task, prediction)
+    if ok:
+        text = f"correct: the answer {prediction!r} matches"
+    else:
+        text = f"incorrect: expected {task.answer}, got {prediction!r}"
+        if solution := task.metadata.get("solution", ""):
+            text += f"\nreference solution: {solution}"
+        if extra := task.metadata.get("feedback", ""):
+            text += f"\n{extra}"
+    return Feedback(passed=ok, score=1.0 if ok else 0.0, ground_truth=task.answer, text=text)
+
+
 __all__ = [
     "NUMERIC_RTOL",
     "SCORERS",
@@ -117,4 +136,5 @@ __all__ = [
     "is_correct",
     "numeric",
     "parse_number",
+    "task_feedback",
 ]

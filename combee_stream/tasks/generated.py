@@ -6,6 +6,10 @@ growth model discounts, monthly rates and terms, and counting a partial payment.
 computed here from the drawn numbers (not from the question's wording), and
 ``tests/test_tasks.py`` checks every family against a second, independent computation.
 
+Every task also carries the worked reference solution (``metadata["solution"]``), as GSM8K's
+answers do: the environment's feedback on a wrong answer shows it, which is what lets a small
+reflector see *why* the agent was wrong, not only that it was. The agent never sees it.
+
 Same seed and count, same tasks; a different seed gives a disjoint set (held-out evaluation).
 """
 
@@ -25,7 +29,10 @@ def _money(x: float) -> str:
     return f"${x:,.2f}"
 
 
-def compound_interest(rng: random.Random) -> tuple[str, float]:
+Problem = tuple[str, float, str]  # question, answer, worked solution
+
+
+def compound_interest(rng: random.Random) -> Problem:
     principal = rng.randrange(10, 500) * 100
     rate = rng.randrange(20, 90) / 10
     years = rng.randint(2, 20)
@@ -34,10 +41,16 @@ def compound_interest(rng: random.Random) -> tuple[str, float]:
         f"An account starts with {_money(principal)} and earns {rate}% annual interest, "
         f"compounded {name}. What is the balance after {years} years? Round to the cent."
     )
-    return question, principal * (1 + rate / 100 / periods) ** (periods * years)
+    value = principal * (1 + rate / 100 / periods) ** (periods * years)
+    solution = (
+        f"compounded {name} means {periods} periods a year: balance = P * (1 + r/{periods}) ** "
+        f"({periods} * years) = {principal} * (1 + {rate / 100:g}/{periods}) ** ({periods} * "
+        f"{years}) = {value:.2f}"
+    )
+    return question, value, solution
 
 
-def ratio_percent(rng: random.Random) -> tuple[str, float]:
+def ratio_percent(rng: random.Random) -> Problem:
     revenue = rng.randrange(200, 2000) * 1_000
     cost = round(revenue * rng.uniform(0.35, 0.85), -3)
     margin = (revenue - cost) / revenue
@@ -46,16 +59,24 @@ def ratio_percent(rng: random.Random) -> tuple[str, float]:
             f"A retailer had revenue of {_money(revenue)} and cost of goods sold of "
             f"{_money(cost)}. What is its gross margin, in percent? Round to two decimals."
         )
-        return question, margin * 100
+        solution = (
+            f"gross margin = (revenue - cost) / revenue = {margin:.6f}; asked in percent, so "
+            f"multiply by 100: {margin * 100:.2f}"
+        )
+        return question, margin * 100, solution
     question = (
         f"A retailer had revenue of {_money(revenue)} and cost of goods sold of "
         f"{_money(cost)}. What is its gross margin ratio (as a decimal fraction)? Round to "
         "four decimals."
     )
-    return question, margin
+    solution = (
+        f"gross margin = (revenue - cost) / revenue = {margin:.4f}; a ratio is the decimal "
+        "fraction, not a percentage"
+    )
+    return question, margin, solution
 
 
-def npv(rng: random.Random) -> tuple[str, float]:
+def npv(rng: random.Random) -> Problem:
     investment = rng.randrange(10, 200) * 1_000
     years = rng.randint(3, 5)
     flows = [round(investment * rng.uniform(0.2, 0.45), -2) for _ in range(years)]
@@ -67,10 +88,15 @@ def npv(rng: random.Random) -> tuple[str, float]:
         "the cent."
     )
     value = -investment + sum(f / (1 + rate / 100) ** t for t, f in enumerate(flows, 1))
-    return question, value
+    terms = " + ".join(f"{f:g} / (1 + {rate / 100:g}) ** {t}" for t, f in enumerate(flows, 1))
+    solution = (
+        f"NPV = -initial cost + sum of discounted cash flows = -{investment} + {terms} = "
+        f"{value:.2f} (the cost paid today is subtracted, undiscounted)"
+    )
+    return question, value, solution
 
 
-def dividend_discount(rng: random.Random) -> tuple[str, float]:
+def dividend_discount(rng: random.Random) -> Problem:
     dividend = rng.randrange(50, 500) / 100
     growth = rng.randrange(2, 13) / 2
     required = growth + rng.randrange(6, 19) / 2
@@ -80,10 +106,17 @@ def dividend_discount(rng: random.Random) -> tuple[str, float]:
         "share's value today under the constant-growth dividend discount model? Round to the "
         "cent."
     )
-    return question, dividend * (1 + growth / 100) / ((required - growth) / 100)
+    value = dividend * (1 + growth / 100) / ((required - growth) / 100)
+    solution = (
+        f"the dividend just paid is D0 = {dividend}; the model discounts next year's "
+        f"D1 = D0 * (1 + g) = {dividend} * (1 + {growth / 100:g}); value = D1 / (k - g) = "
+        f"{dividend * (1 + growth / 100):.4f} / ({required / 100:g} - {growth / 100:g}) = "
+        f"{value:.2f}"
+    )
+    return question, value, solution
 
 
-def loan_payment(rng: random.Random) -> tuple[str, float]:
+def loan_payment(rng: random.Random) -> Problem:
     principal = rng.randrange(10, 400) * 1_000
     rate = rng.randrange(25, 90) / 10
     years = rng.choice([2, 3, 4, 5, 7, 10, 15, 20, 25, 30])
@@ -92,20 +125,31 @@ def loan_payment(rng: random.Random) -> tuple[str, float]:
         f"payments over {years} years. What is the monthly payment? Round to the cent."
     )
     i, n = rate / 100 / 12, years * 12
-    return question, principal * i / (1 - (1 + i) ** -n)
+    value = principal * i / (1 - (1 + i) ** -n)
+    solution = (
+        f"monthly rate i = {rate / 100:g} / 12, number of payments n = {years} * 12 = {n}; "
+        f"payment = P * i / (1 - (1 + i) ** -n) = {principal} * i / (1 - (1 + i) ** -{n}) = "
+        f"{value:.2f}"
+    )
+    return question, value, solution
 
 
-def payments_needed(rng: random.Random) -> tuple[str, float]:
+def payments_needed(rng: random.Random) -> Problem:
     debt = rng.randrange(20, 400) * 25 + rng.randrange(1, 24)
     payment = rng.randrange(4, 30) * 10
     question = (
         f"A debt of {_money(debt)} is paid off with payments of {_money(payment)}; the last "
         "payment may be smaller. How many payments are needed? (Ignore interest.)"
     )
-    return question, float(math.ceil(debt / payment))
+    count = math.ceil(debt / payment)
+    solution = (
+        f"{debt} / {payment} = {debt / payment:.3f}; a partial last payment still counts, so "
+        f"round up: ceil({debt} / {payment}) = {count} (no interest is involved)"
+    )
+    return question, float(count), solution
 
 
-FAMILIES: Final[dict[str, Callable[[random.Random], tuple[str, float]]]] = {
+FAMILIES: Final[dict[str, Callable[[random.Random], Problem]]] = {
     "compound_interest": compound_interest,
     "ratio_percent": ratio_percent,
     "npv": npv,
@@ -123,7 +167,7 @@ def generate_tasks(n: int, seed: int = 0) -> list[Task]:
     tasks = []
     for index in range(n):
         family = names[index % len(names)]
-        question, value = FAMILIES[family](rng)
+        question, value, solution = FAMILIES[family](rng)
         tasks.append(
             Task(
                 id=f"gen-{seed}-{index:05d}",
@@ -131,6 +175,7 @@ def generate_tasks(n: int, seed: int = 0) -> list[Task]:
                 answer=f"{value:.4f}",
                 scorer="numeric",
                 family=family,
+                metadata={"solution": solution},
             )
         )
     return tasks

@@ -1,0 +1,192 @@
+"""The real-model demo (``combee-stream demo``): the agent works, the engine learns, live.
+
+See :mod:`combee_stream.demo` for the steps. The view is a rich ``Live`` table refreshed as the
+agent answers and versions arrive: per prompt version, the agent's runs and how many were right,
+the batch size the controller chose for the window that made it, and the bullets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from contextlib import AsyncExitStack
+
+import anyio
+import msgspec
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+
+from combee_stream.agent import Answerer, PromptClient, RunRecorder
+from combee_stream.config import Config
+from combee_stream.core.llm import LLMClient
+from combee_stream.demo import _fresh_kafka
+from combee_stream.engine import Engine
+from combee_stream.evaluation import compare, evaluate
+from combee_stream.kafka.producer import TraceProducer
+from combee_stream.kafka.subscriber import PromptSubscriber
+from combee_stream.schemas import PromptUpdate
+from combee_stream.tasks import KEY, generate_tasks, task_feedback
+
+AGENT_CONCURRENCY = 2  # leaves the model's other slots to the reflector and curator
+
+
+class View:
+    """What the live table shows."""
+
+    def __init__(self, model: str, tasks: int) -> None:
+        self.model = model
+        self.tasks = tasks
+        self.phase = "starting"
+        self.runs: dict[int, list[bool]] = {}  # prompt version -> outcomes of runs with it
+        self.versions: dict[int, PromptUpdate] = {}
+        self.done = 0
+
+    def render(self) -> Group:
+        table = Table(title=f"key {KEY!r}: the agent ({self.model}) and its prompt versions")
+        for column in (
+            "version",
+            "agent runs",
+            "right",
+            "accuracy",
+            "window (batch size)",
+            "bullets",
+            "newest bullet",
+        ):
+            table.add_column(column, overflow="fold")
+        for version in sorted(set(self.runs) | set(self.versions)):
+            outcomes = self.runs.get(version, [])
+            update = self.versions.get(version)
+            bullets = [b for s in update.playbook.sections for b in s.bullets] if update else []
+            newest = max(bullets, key=lambda b: b.id).content[:70] if bullets else ""
+            table.add_row(
+                "base" if version <= 0 else f"v{version}",
+                str(len(outcomes)),
+                str(sum(outcomes)),
+                f"{sum(outcomes) / len(outcomes):.0%}" if outcomes else "-",
+                f"{update.stats.window_traces} ({update.stats.batch_size})" if update else "-",
+                str(len(bullets)),
+                newest,
+            )
+        status = Panel(f"{self.phase}  -  {self.done}/{self.tasks} tasks answered", title="now")
+        return Group(status, table)
+
+
+async def run_live_demo(args: argparse.Namespace, config: Config) -> int:
+    console = Console()
+    say = console.print
+    seed = args.seed if args.seed is not None else random.randrange(1_000_000)
+    train = generate_tasks(args.tasks, seed=seed)
+    held_out = generate_tasks(args.held_out, seed=seed + 1)
+    async with AsyncExitStack() as stack:
+        cfg = await _fresh_kafka(config)
+        cfg = await _with_model(stack, cfg, args)
+        cfg = msgspec.structs.replace(
+            cfg,
+            engine=msgspec.structs.replace(cfg.engine, metrics_port=0, max_wait_s=30.0),
+            learning=msgspec.structs.replace(
+                cfg.learning, batch_size="auto", min_batch_size=3, max_batch_size=12
+            ),
+        )
+        view = View(cfg.llm.agent.model, len(train))
+        engine = Engine(cfg)
+        llm = await stack.enter_async_context(LLMClient(cfg.llm))
+        answerer = Answerer(llm)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.run)
+            await engine.started.wait()
+            with Live(view.render(), console=console, refresh_per_second=2) as live:
+                async with (
+                    PromptClient(cfg.kafka, KEY) as prompts,
+                    TraceProducer(cfg.kafka) as producer,
+                    PromptSubscriber(cfg.kafka, keys={KEY}) as versions,
+                ):
+
+                    async def follow() -> None:
+                        async for update in versions:
+                            view.versions[update.version] = update
+                            live.update(view.render())
+
+                    async def work() -> None:
+                        limiter = anyio.CapacityLimiter(AGENT_CONCURRENCY)
+
+                        async def one(index: int) -> None:
+                            task = train[index]
+                            async with limiter:
+                                prompt = prompts.current()
+                                answer = await answerer.answer(prompt.text, task.question)
+                            feedback = task_feedback(task, answer.output)
+                            run = RunRecorder(prompt, task.question, trace_id=f"{seed}-{task.id}")
+                            run.record(answer)
+                            await run.send(producer, output=answer.output, feedback=feedback)
+                            view.runs.setdefault(max(0, prompt.version), []).append(
+                                bool(feedback.passed)
+                            )
+                            view.done += 1
+                            live.update(view.render())
+
+                        async with anyio.create_task_group() as agents:
+                            for index in range(len(train)):
+                                agents.start_soon(one, index)
+
+                    view.phase = "the agent works; the engine learns from every run"
+                    live.update(view.render())
+                    async with anyio.create_task_group() as inner:
+                        inner.start_soon(follow)
+                        await work()
+                        view.phase = "waiting for the engine to learn the last runs"
+                        live.update(view.render())
+                        with anyio.move_on_after(600):
+                            while _learned(view) < len(train):  # noqa: ASYNC110 - view updated by follow()
+                                await anyio.sleep(0.5)
+                        inner.cancel_scope.cancel()
+                    newest = prompts.current()
+                    view.phase = f"before/after on {len(held_out)} held-out tasks"
+                    live.update(view.render())
+                    before = await evaluate(answerer, "", held_out, label="base")
+                    after = await evaluate(
+                        answerer, newest.text, held_out, label=f"v{newest.version}"
+                    )
+            engine.stop()
+    paired = compare(before, after)
+    say(
+        f"\nheld-out ({len(held_out)} tasks): base prompt {before.accuracy:.0%} "
+        f"(95% CI {before.ci95[0]:.0%}-{before.ci95[1]:.0%}), v{newest.version} "
+        f"{after.accuracy:.0%} ({after.ci95[0]:.0%}-{after.ci95[1]:.0%}); gained {paired.only_b}, "
+        f"lost {paired.only_a}, exact McNemar p = {paired.mcnemar_p:.2g}"
+    )
+    say(f"\nthe newest prompt (v{newest.version}):\n")
+    say(newest.text or "(empty)", markup=False)
+    say("\nThe broker keeps running: `combee-stream kafka stop` stops it.")
+    return 0
+
+
+def _learned(view: View) -> int:
+    return max((u.stats.traces_learned for u in view.versions.values()), default=0)
+
+
+async def _with_model(stack: AsyncExitStack, cfg: Config, args: argparse.Namespace) -> Config:
+    """The config's agent endpoint if it has one; else a local model, started here."""
+    from combee_stream.localllm import local_model
+    from combee_stream.localllm.server import local_llm_config
+
+    configured = cfg.llm.agent.base_url or os.environ.get("OPENAI_BASE_URL")
+    if configured and args.model is None:
+        return cfg
+    local = msgspec.structs.replace(cfg.local_llm, model=args.model or "qwen2.5-coder-0.5b")
+
+    def tell(message: str) -> None:
+        print(f"   {message}", flush=True)
+
+    print(
+        f"no LLM endpoint configured: serving {local.model} here with llama.cpp "
+        "(the first run builds llama-server, about 5-10 min, and fetches the model)",
+        flush=True,
+    )
+    server = await stack.enter_async_context(local_model(local, say=tell))
+    return msgspec.structs.replace(cfg, llm=local_llm_config(server, cfg.llm))
+
+
+__all__ = ["run_live_demo"]

@@ -1,0 +1,65 @@
+"""Simulated tasks for the simulated agent: each needs one lesson of the simulated traces.
+
+A task of key ``sim-kJ`` asks for the "reference code" of a case that lesson ``kJ-lNNN`` covers;
+the simulated agent (:func:`combee_stream.sim.roles.answer`) gives the right code if and only if
+its system prompt carries that lesson, and the environment's feedback on a wrong answer states
+the lesson (as the simulated traces do). So accuracy on these tasks measures exactly which
+lessons the served prompt carries: the ground truth a learning loop can be checked against.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Final
+
+from combee_stream.sim.markers import marker_line
+from combee_stream.sim.traces import lesson_ids, lesson_text
+from combee_stream.tasks.base import Task
+
+_NEEDS = re.compile(r"\[case of lesson ([A-Za-z0-9_.-]+)\]")
+CASES: Final = (
+    "A customer writes in about order {n}.",
+    "Ticket {n} was escalated by the night shift.",
+    "Record {n} failed the nightly check.",
+)
+
+
+def task_code(seed: int, lesson_id: str) -> int:
+    """The right answer of a task that needs ``lesson_id``."""
+    digest = hashlib.sha256(f"{seed}:code:{lesson_id}".encode()).digest()
+    return 1000 + int.from_bytes(digest[:4], "big") % 9000
+
+
+def task_lesson(question: str) -> str | None:
+    found = _NEEDS.search(question)
+    return found.group(1) if found else None
+
+
+def sim_tasks(n: int, keys: int, lessons: int, seed: int = 0, *, start: int = 0) -> list[Task]:
+    """``n`` tasks over every lesson of ``keys`` keys in turn (the ids of ``generate_traces``
+    with the same keys, lessons and seed); ``start`` offsets the task numbers (disjoint sets)."""
+    ids = lesson_ids(keys, lessons)
+    dealt = [(key, ids[key][i]) for i in range(lessons) for key in ids]
+    tasks = []
+    for index in range(start, start + n):
+        key, lesson = dealt[index % len(dealt)]
+        case = CASES[index % len(CASES)].format(n=10_000 + index)
+        tasks.append(
+            Task(
+                id=f"sim-task-{seed}-{index:05d}",
+                question=f"{case} What is its reference code? [case of lesson {lesson}]",
+                answer=str(task_code(seed, lesson)),
+                scorer="exact",
+                family=key,
+                metadata={
+                    "key": key,
+                    "lesson": lesson,
+                    "feedback": marker_line(lesson, lesson_text(seed, lesson)),
+                },
+            )
+        )
+    return tasks
+
+
+__all__ = ["CASES", "sim_tasks", "task_code", "task_lesson"]
