@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 
 from combee_stream.config import Config, LearningConfig
@@ -284,3 +285,67 @@ async def test_a_gate_rejection_learns_the_traces_but_keeps_the_parents_bullets(
     assert len(v2.stats.trace_ids) == 3, "its traces are learned (and never learned again)"
     assert [c.parent.version for c in gate.seen] == [0, 1, 2]
     assert len(retained_ids(v3.playbook)) == 6
+
+
+@pytest.mark.anyio
+async def test_the_learner_defends_against_a_realistic_simulator() -> None:
+    """Paraphrasing curators, reflectors that invent vague lessons or miss some: no near
+    duplicate and no vague bullet reaches the playbook, and each refusal is counted."""
+    from combee_stream.core.hygiene import content_words, near_duplicates
+    from combee_stream.sim.settings import RealismModel
+
+    realism = RealismModel(paraphrase=0.6, invent=0.4, miss=0.1)
+    batch = items(36, lessons=12)  # every lesson three times: paraphrases meet their original
+    async with sim_http_client(SimSettings(seed=2, realism=realism)) as http:
+        llm = LLMClient(config().llm, http_client=http, env={})
+        sink = MemorySink()
+        pipeline = KeyPipeline(
+            KeyChain(KEY),
+            Learner.from_config(config(), llm),
+            FixedBatch(6),
+            sink,
+            closed_inbox(batch),
+            SYNC,
+        )
+        await pipeline.run()
+        await llm.aclose()
+    final = sink.updates[-1].playbook
+    bullets = [b.content for s in final.sections for b in s.bullets]
+    bags = [frozenset(content_words(b)) for b in bullets]
+    assert not any(near_duplicates(a, b) for i, a in enumerate(bags) for b in bags[i + 1 :]), (
+        bullets
+    )
+    assert not any(b.startswith("LESSON[invented-") for b in bullets), bullets
+    skipped: dict[str, int] = {}
+    for update in sink.updates:
+        for reason, count in update.stats.skipped.items():
+            skipped[reason] = skipped.get(reason, 0) + count
+    assert skipped.get("near_duplicate", 0) > 0 and skipped.get("no_lesson", 0) > 0, skipped
+    assert sum(u.stats.bullets_added for u in sink.updates) == len(bullets)
+    # every lesson the reflectors did not miss everywhere is there, once
+    assert 9 <= len(retained_ids(final)) <= 12
+
+
+@pytest.mark.anyio
+async def test_only_the_bullets_a_trace_cites_get_its_tags() -> None:
+    from combee_stream.core.playbook import apply, new_playbook
+    from combee_stream.schemas import AddOp, Delta
+    from combee_stream.sim.settings import RealismModel
+
+    book = new_playbook(KEY)
+    ops = [
+        AddOp(section="OTHERS", content=f"rule number {i} for the agent to use") for i in range(3)
+    ]
+    book = apply(book, Delta(key=KEY, operations=ops), token_budget=None).playbook
+    cited = [b.id for s in book.sections for b in s.bullets][:1]
+    trace, source = items(1)[0]
+    trace = msgspec.structs.replace(trace, bullet_ids=cited)
+    async with sim_http_client(SimSettings(seed=2, realism=RealismModel(uncited_tags=1.0))) as http:
+        llm = LLMClient(config().llm, http_client=http, env={})
+        learner = Learner.from_config(config(), llm)
+        stats = learner.new_stats()
+        record = await learner.reflect(book, trace, source, stats)
+        await llm.aclose()
+    assert isinstance(record, ReflectionRecord)
+    assert [t.bullet_id for t in record.reflection.bullet_tags] == cited
+    assert stats.uncited_tags == 1  # the simulator also tagged a bullet the trace never cited

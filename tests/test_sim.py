@@ -511,9 +511,8 @@ def test_realism_makes_the_simulated_roles_err_as_real_models_do() -> None:
     real = RealismModel(miss=0.2, invent=0.3, uncited_tags=0.25)
     on = [reflect(playbook + p, seed=1, realism=real) for p in prompts]
     missed = sum(not any(x.id.startswith("k0-") for x in find_lessons(o.key_insight)) for o in on)
-    invented = sum(
-        any(x.id.startswith("invented-") for x in find_lessons(o.key_insight)) for o in on
-    )
+    vague = ("Be careful.", "Double-check the work.", "Read the task again.")
+    invented = sum(o.key_insight.split("\n", 1)[0] in vague for o in on)
     tagged = sum(bool(o.bullet_tags) for o in on)
     assert 40 <= missed <= 120 and 80 <= invented <= 160 and 60 <= tagged <= 140
     assert all(t.bullet_id == "strat-00007" for o in on for t in o.bullet_tags)

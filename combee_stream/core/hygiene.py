@@ -15,7 +15,9 @@ is counted by reason in the version's stats (``UpdateStats.skipped``):
 - ``restates_task``: most of the bullet's words come from one of the window's tasks
   (``RESTATED`` of its content words) or it repeats a number of four digits or more that the
   task gave: an instance, not a lesson.
-- ``no_lesson``: fewer than ``MIN_WORDS`` content words.
+- ``no_lesson``: fewer than ``MIN_WORDS`` content words, or only words of generic advice
+  (``GENERIC``: "always double-check the formula and the conventions" teaches nothing a model
+  did not already try to do).
 
 The thresholds are the module's constants; a rejected ADD is reported, never silently lost.
 """
@@ -36,6 +38,14 @@ MIN_WORDS: Final = 4
 _STOP: Final = frozenset(
     "a an and are as at be by for from has have if in is it its of on or so that the this to "
     "was were when which with you your should must agent".split()
+)
+GENERIC: Final = frozenset(
+    "always double check checking careful carefully make sure ensure correct correctly right "
+    "properly proper formula formulas approach verify reusable lesson accurate accuracy attention "
+    "pay read reread task question again work steps step calculation calculations calculate "
+    "result results answer appropriate important use using used follow instructions mistake "
+    "mistakes avoid error errors convention conventions units data information given problem "
+    "solution method methods values value all any each every before after carefully".split()
 )
 _BIG_NUMBER = re.compile(r"\d[\d,]{3,}(?:\.\d+)?")
 
@@ -65,7 +75,7 @@ def review_adds(playbook: Playbook, delta: Delta, tasks: Sequence[str]) -> dict[
     for i, add in enumerate(adds):
         norm = normalize(add.content)
         words = content_words(add.content)
-        if len(words) < MIN_WORDS:
+        if len(words) < MIN_WORDS or all(w in GENERIC for w in words):
             rejected[i] = "no_lesson"
             continue
         numbers = _numbers(add.content)
@@ -88,6 +98,7 @@ def review_adds(playbook: Playbook, delta: Delta, tasks: Sequence[str]) -> dict[
 
 
 __all__ = [
+    "GENERIC",
     "MIN_WORDS",
     "NEAR_DUPLICATE_WORDS",
     "RESTATED",

@@ -35,6 +35,7 @@ _ROLE_TAGS: tuple[tuple[str, Role], ...] = (
     ("question", "agent"),
 )
 _PASSED_TRUE = re.compile(r"^[ \t]*passed:[ \t]*true[ \t]*$", re.MULTILINE | re.IGNORECASE)
+_PLAIN_INSIGHT = re.compile(r"^key_insight:[ \t]*(.*)$", re.MULTILINE)
 _BULLET_REF = re.compile(r"^[ \t]*\[([^\]\s]+)\]", re.MULTILINE)
 _operation_decoder = msgspec.json.Decoder(Operation)
 
@@ -76,9 +77,12 @@ def reflect(prompt: str, *, seed: int = 0, realism: RealismModel | None = None) 
         for lesson in find_lessons(trace)
         if unit(seed, "miss", lesson.id, here) >= realism.miss
     ]
-    if unit(seed, "invent", here) < realism.invent:
-        vague = _VAGUE[int(unit(seed, "vague", here) * len(_VAGUE))]
-        lessons.append(Lesson(f"invented-{here[:6]}", vague))
+    # An invented lesson is plain text, first in the key insight, as a real model writes it.
+    invented = (
+        [_VAGUE[int(unit(seed, "vague", here) * len(_VAGUE))]]
+        if unit(seed, "invent", here) < realism.invent
+        else []
+    )
     passed = _PASSED_TRUE.search(trace) is not None
     used = _BULLET_REF.findall(block(prompt, "bullets_used") or "")
     if unit(seed, "uncited", here) < realism.uncited_tags:
@@ -92,7 +96,7 @@ def reflect(prompt: str, *, seed: int = 0, realism: RealismModel | None = None) 
         error_identification="none" if passed else "the agent's answer was judged incorrect",
         root_cause_analysis="see the feedback of the trace",
         correct_approach="apply the lessons below" if lessons else "no lesson recorded",
-        key_insight="\n".join(lesson.line for lesson in lessons),
+        key_insight="\n".join([*invented, *(lesson.line for lesson in lessons)]),
         bullet_tags=[BulletTag(bullet_id=bullet_id, tag=tag) for bullet_id in dict.fromkeys(used)],
     )
 
@@ -155,22 +159,30 @@ def curate(
     chosen = {lesson.id for lesson in sorted(new, key=lambda x: _lesson_rank(seed, x.id))[:keep]}
     kept: list[Lesson] = [lesson for lesson in new if lesson.id in chosen]
     limit = "unlimited" if capacity is None else str(capacity)
+    adds = [
+        AddOp(
+            section=CURATOR_SECTION,
+            content=(
+                paraphrase(lesson)
+                if unit(seed, "paraphrase", lesson.id, _digest(reflections)) < realism.paraphrase
+                else lesson
+            ).line,
+        )
+        for lesson in kept
+    ]
+    # Plain insights (no lesson marker) are copied as they are: a curator cannot tell an
+    # invented lesson from a real one, only the learner's review can.
+    plain = dict.fromkeys(
+        match.group(1).strip()
+        for match in _PLAIN_INSIGHT.finditer(reflections)
+        if not find_lessons(match.group(1))
+    )
+    adds += [AddOp(section=CURATOR_SECTION, content=text) for text in plain if text]
     return CuratorOutput(
         reasoning=(
             f"Simulated curator: {len(new)} new lesson(s), kept {len(kept)} (capacity {limit})."
         ),
-        operations=[
-            AddOp(
-                section=CURATOR_SECTION,
-                content=(
-                    paraphrase(lesson)
-                    if unit(seed, "paraphrase", lesson.id, _digest(reflections))
-                    < realism.paraphrase
-                    else lesson
-                ).line,
-            )
-            for lesson in kept
-        ],
+        operations=adds,
     )
 
 
