@@ -159,7 +159,7 @@ def curate(
     chosen = {lesson.id for lesson in sorted(new, key=lambda x: _lesson_rank(seed, x.id))[:keep]}
     kept: list[Lesson] = [lesson for lesson in new if lesson.id in chosen]
     limit = "unlimited" if capacity is None else str(capacity)
-    adds = [
+    adds: list[Operation] = [
         AddOp(
             section=CURATOR_SECTION,
             content=(
