@@ -22,8 +22,8 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 install: $(VENV)/.installed
 
 lint: install
-	$(BIN)/ruff check combee_stream tests
-	$(BIN)/ruff format --check combee_stream tests
+	$(BIN)/ruff check combee_stream tests examples
+	$(BIN)/ruff format --check combee_stream tests examples
 
 typecheck: install
 	$(BIN)/mypy combee_stream

@@ -78,6 +78,7 @@ async def prompt_from(spec: str, config: Config, key: str | None) -> tuple[str, 
 def _summary(result: EvalResult) -> dict[str, Any]:
     out: dict[str, Any] = msgspec.to_builtins(result)
     out.pop("outcomes")
+    out["failures"] = [{"task": o.task_id, "error": o.error} for o in result.outcomes if o.error]
     return out
 
 
