@@ -22,6 +22,8 @@ SCHEMA_VERSION: Final = 1
 # so it must be printable and short.
 Key = Annotated[str, Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:/@-]+$")]
 NonEmpty = Annotated[str, Meta(min_length=1)]
+# Ids travel into prompts, logs and headers: printable, no control characters (no newline).
+TraceId = Annotated[str, Meta(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")]
 NonNegative = Annotated[int, Meta(ge=0)]
 BulletTagKind = Literal["helpful", "harmful", "neutral"]
 
@@ -65,7 +67,7 @@ class Trace(_Record):
     """What an agent did on one task and how it went."""
 
     key: Key
-    trace_id: Annotated[str, Meta(min_length=1, max_length=200)]
+    trace_id: TraceId
     task: NonEmpty
     feedback: Feedback
     output: str = ""
@@ -76,6 +78,11 @@ class Trace(_Record):
     finished_at: dt.datetime | None = None
     metadata: dict[str, str] = {}
     schema: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.task.strip(" \t\r\n\x00\x0b\x0c"):
+            raise ValueError("task is blank (only whitespace or NUL characters)")
 
 
 # --------------------------------------------------------------------------- learning

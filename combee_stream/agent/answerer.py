@@ -13,6 +13,7 @@ from typing import Final
 from msgspec import Struct
 
 from combee_stream.agent.calculator import CalculatorError, evaluate
+from combee_stream.core.fencing import fence
 from combee_stream.core.llm import ChatMessage, LLMClient
 
 INSTRUCTIONS: Final = """\
@@ -74,7 +75,8 @@ class Answerer:
         messages: list[ChatMessage] = []
         if system_prompt.strip():
             messages.append({"role": "system", "content": system_prompt})
-        messages.append({"role": "user", "content": INSTRUCTIONS.format(question=question)})
+        # The question is untrusted text too: it cannot end its block.
+        messages.append({"role": "user", "content": INSTRUCTIONS.format(question=fence(question))})
         return messages
 
     async def answer(self, system_prompt: str, question: str) -> Answer:

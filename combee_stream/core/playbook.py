@@ -38,6 +38,7 @@ from typing import Final, Literal
 
 from msgspec import Struct
 
+from combee_stream.core.fencing import fence
 from combee_stream.schemas import (
     AddOp,
     BudgetRejection,
@@ -148,7 +149,9 @@ def section_slug(name: str) -> str:
 
 
 def render_bullet(bullet: Bullet) -> str:
-    return f"[{bullet.id}] helpful={bullet.helpful} harmful={bullet.harmful} :: {bullet.content}"
+    # Bullets come from traces through the LLM: fenced like any untrusted text.
+    content = fence(bullet.content)
+    return f"[{bullet.id}] helpful={bullet.helpful} harmful={bullet.harmful} :: {content}"
 
 
 def render(playbook: Playbook, *, empty_sections: bool = False) -> str:

@@ -33,6 +33,7 @@ from typing import Final, Literal
 
 from msgspec import Struct
 
+from combee_stream.core.fencing import fence
 from combee_stream.core.llm import ChatMessage
 from combee_stream.core.playbook import PlaybookStats, find_bullet, render, stats
 from combee_stream.errors import UserError
@@ -141,15 +142,16 @@ def _cut(text: str, limit: int) -> str:
 
 
 def render_trace(trace: Trace) -> str:
-    """Task, output, steps, then the feedback lines of the contract."""
-    lines = [f"task: {trace.task}"]
+    """Task, output, steps, then the feedback lines. Every untrusted value is fenced
+    (:func:`~combee_stream.core.fencing.fence`): it can end neither its field nor the block."""
+    lines = [f"task: {fence(trace.task)}"]
     if trace.output:
-        lines.append(f"output: {trace.output}")
+        lines.append(f"output: {fence(trace.output)}")
     if trace.steps:
         steps: list[str] = []
         for i, step in enumerate(trace.steps, 1):
-            name = f" {step.name}" if step.name else ""
-            steps.append(f"  {i}. [{step.kind}{name}] {step.content}")
+            name = f" {fence(step.name)}" if step.name else ""
+            steps.append(f"  {i}. [{step.kind}{name}] {fence(step.content)}")
         lines.append("steps:\n" + _cut("\n".join(steps), STEPS_CHARS))
     fb = trace.feedback
     if fb.passed is not None:
@@ -157,9 +159,9 @@ def render_trace(trace: Trace) -> str:
     if fb.score is not None:
         lines.append(f"score: {fb.score:g}")
     if fb.ground_truth:
-        lines.append(f"ground_truth: {fb.ground_truth}")
+        lines.append(f"ground_truth: {fence(fb.ground_truth)}")
     if fb.text:
-        lines.append(f"feedback: {fb.text}")
+        lines.append(f"feedback: {fence(fb.text)}")
     return "\n".join(lines)
 
 
@@ -167,7 +169,8 @@ def render_bullets_used(playbook: Playbook, trace: Trace) -> str:
     lines = []
     for bullet_id in dict.fromkeys(trace.bullet_ids):
         bullet = find_bullet(playbook, bullet_id)
-        lines.append(f"[{bullet_id}] {bullet.content if bullet else '(not in the playbook)'}")
+        content = fence(bullet.content) if bullet else "(not in the playbook)"
+        lines.append(f"[{fence(bullet_id)}] {content}")
     return "\n".join(lines)
 
 
@@ -175,14 +178,14 @@ def render_reflections(records: Sequence[ReflectionRecord]) -> str:
     blocks = []
     for i, record in enumerate(records, 1):
         r = record.reflection
-        fields = [f"[Reflection {i}]", f"trace_id: {r.source.trace_id}"]
+        fields = [f"[Reflection {i}]", f"trace_id: {fence(r.source.trace_id)}"]
         if record.task:
-            fields.append(f"task: {_cut(record.task, TASK_CHARS)}")
+            fields.append(f"task: {fence(_cut(record.task, TASK_CHARS))}")
         fields += [
-            f"error_identification: {r.error_identification}",
-            f"root_cause: {r.root_cause}",
-            f"correct_approach: {r.correct_approach}",
-            f"key_insight: {r.key_insight}",
+            f"error_identification: {fence(r.error_identification)}",
+            f"root_cause: {fence(r.root_cause)}",
+            f"correct_approach: {fence(r.correct_approach)}",
+            f"key_insight: {fence(r.key_insight)}",
         ]
         blocks.append("\n".join(fields))
     return "\n---\n".join(blocks)
