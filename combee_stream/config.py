@@ -51,6 +51,13 @@ class KafkaConfig(_Section):
     # Extra per-topic configs for the prompts topic (always compacted). Fast compaction for
     # tests lives in configs/local.toml, not here.
     prompts_topic_configs: dict[str, str] = {}
+    # The largest PromptUpdate the engine publishes: a window whose version would encode
+    # larger is rejected like a budget rejection. `topics create` sets it as the prompts
+    # topic's max.message.bytes (the broker's message.max.bytes must allow it).
+    max_message_bytes: Annotated[int, Meta(ge=65_536)] = 1_000_000
+    # How long dead letters are kept (`topics create` sets the DLQ topic's retention.ms):
+    # long enough to fix the cause and `dlq replay` them. Default 30 days.
+    dlq_retention_ms: Annotated[int, Meta(ge=60_000)] = 30 * 24 * 3600 * 1000
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
     sasl_username_env: str = "COMBEE_KAFKA_USERNAME"
@@ -142,6 +149,9 @@ class LearningConfig(_Section):
     fan_in: Annotated[int, Meta(ge=0)] = 0  # 0 = k = floor(sqrt(n)) groups
     combine: Literal["union", "llm"] = "union"
     token_budget: Positive = 80_000
+    # A proposed bullet longer than this is refused (skipped as too_long): a lesson is a rule,
+    # not a document, and one trace must not fill the prompt of every agent of its key.
+    max_bullet_chars: Positive = 2000
     # Tries of a trace's reflection, and of a window's curation, before their traces are parked
     # in the DLQ (each try is itself retried by the LLM client, llm.max_attempts). Both drivers.
     max_attempts: Positive = 3
@@ -162,6 +172,7 @@ class EngineConfig(_Section):
     # True: reflect each trace on arrival and overlap windows. False: the paper's synchronous
     # loop (reflect at window close, one window at a time), kept as a benchmark baseline.
     pipelined: bool = True
+    # Traces buffered (read, not yet learned or parked) per partition before it is paused.
     queue_size: Positive = 1000
     # While Kafka cannot be written (publish, DLQ) or read (restore), the engine retries with
     # capped backoff and reports not ready; after this many seconds of continuous failure it

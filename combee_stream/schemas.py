@@ -185,7 +185,16 @@ class GateRejection(Struct, frozen=True, tag="gate", tag_field="kind"):
     reason: str
 
 
-Rejection = BudgetRejection | GateRejection
+class SizeRejection(Struct, frozen=True, tag="update_size", tag_field="kind"):
+    """The version would have encoded larger than the prompts topic takes
+    (``kafka.max_message_bytes``)."""
+
+    kind: ClassVar[str] = "update_size"  # the tag on the wire
+    limit: int
+    would_be: int
+
+
+Rejection = BudgetRejection | GateRejection | SizeRejection
 
 
 class UpdateStats(Struct, forbid_unknown_fields=True):
@@ -288,6 +297,7 @@ __all__ = [
     "RemoveOp",
     "SchemaVersionError",
     "Section",
+    "SizeRejection",
     "Source",
     "Step",
     "Trace",

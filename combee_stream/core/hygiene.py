@@ -15,6 +15,8 @@ is counted by reason in the version's stats (``UpdateStats.skipped``):
 - ``restates_task``: most of the bullet's words come from one of the window's tasks
   (``RESTATED`` of its content words) or it repeats a number of four digits or more that the
   task gave: an instance, not a lesson.
+- ``too_long``: longer than ``learning.max_bullet_chars`` (a lesson is a rule, not a document:
+  one trace must not fill the prompt of every agent of its key).
 - ``no_lesson``: fewer than ``MIN_WORDS`` content words, or only words of generic advice
   (``GENERIC``: "always double-check the formula and the conventions" teaches nothing a model
   did not already try to do).
@@ -63,7 +65,9 @@ def _numbers(text: str) -> set[str]:
     return {m.replace(",", "") for m in _BIG_NUMBER.findall(text)}
 
 
-def review_adds(playbook: Playbook, delta: Delta, tasks: Sequence[str]) -> dict[int, SkipReason]:
+def review_adds(
+    playbook: Playbook, delta: Delta, tasks: Sequence[str], *, max_chars: int = 2000
+) -> dict[int, SkipReason]:
     """Index (among the delta's ADDs) -> why it is rejected, for the ADDs that are."""
     adds = [op for op in delta.operations if isinstance(op, AddOp)]
     existing = [b.content for s in playbook.sections for b in s.bullets]
@@ -73,6 +77,9 @@ def review_adds(playbook: Playbook, delta: Delta, tasks: Sequence[str]) -> dict[
     task_numbers = [_numbers(t) for t in tasks]
     rejected: dict[int, SkipReason] = {}
     for i, add in enumerate(adds):
+        if len(add.content) > max_chars:
+            rejected[i] = "too_long"
+            continue
         norm = normalize(add.content)
         words = content_words(add.content)
         if len(words) < MIN_WORDS or all(w in GENERIC for w in words):

@@ -32,6 +32,11 @@ Decisions (Combee notes §8):
   structured reason; the window still records its traces and tags (a tags-only delta, or an
   empty one if even that does not fit), so every window yields exactly one new version and the
   traces are not learned twice.
+- **Size.** A version must fit the prompts topic (``kafka.max_message_bytes``): a result whose
+  update would encode larger (estimated from the playbook, which a PromptUpdate carries twice:
+  the bullets and the rendered prompt, plus ``UPDATE_RESERVE`` for the rest) falls back like a
+  budget rejection, with a ``SizeRejection``. So no window can block its key on a record the
+  broker refuses.
 - **Gate.** A delta that fits goes to the publish gate (:mod:`combee_stream.core.gate`). A
   refused candidate falls back to provenance only (no operations, no tags: nothing of the
   refused window reaches the prompt), again one version, its traces learned-and-rejected.
@@ -45,7 +50,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Sequence
-from typing import Protocol, TypeVar
+from typing import Final, Protocol, TypeVar
 
 import anyio
 import msgspec
@@ -60,9 +65,12 @@ from combee_stream.core.outputs import CuratorOutput, ReflectorOutput, Reflector
 from combee_stream.core.playbook import (
     ApplyResult,
     EmbedFn,
+    SkippedOp,
+    SkipReason,
     apply,
     apply_semantic,
     playbook_tokens,
+    render,
 )
 from combee_stream.core.prompts import (
     Prompts,
@@ -88,8 +96,11 @@ from combee_stream.schemas import (
     Playbook,
     Reflection,
     Rejection,
+    SizeRejection,
     Source,
     Trace,
+    UpdateOp,
+    encode,
 )
 
 T = TypeVar("T")
@@ -176,6 +187,16 @@ def _window_rng(seed: int, key: str, version: int, sources: Sequence[Source]) ->
     return random.Random(int.from_bytes(hashlib.sha256(material.encode()).digest()[:8], "big"))
 
 
+# Room for what a PromptUpdate carries besides the playbook and its rendering (stats, the
+# window's trace ids, the watermark, field names).
+UPDATE_RESERVE: Final = 64 * 1024
+
+
+def update_size(playbook: Playbook) -> int:
+    """A PromptUpdate of ``playbook`` encodes to at most this many bytes."""
+    return len(encode(playbook)) + len(render(playbook).encode()) + UPDATE_RESERVE
+
+
 def required_roles(config: Config, strategy_name: str | None = None) -> list[Role | str]:
     """The LLM roles (and ``embeddings``) a learner with these settings calls."""
     spec = strategy(strategy_name or config.learning.strategy)
@@ -200,8 +221,10 @@ class Learner:
         prompts: Prompts | None = None,
         strategy_name: str | None = None,
         gate: PublishGate | None = None,
+        max_update_bytes: int | None = None,
     ) -> None:
         self._llm = llm
+        self._max_update_bytes = max_update_bytes
         self._config = learning
         self._embed = embed
         self._threshold = dedup_threshold
@@ -237,6 +260,7 @@ class Learner:
             dedup_threshold=embeddings.threshold,
             strategy_name=strategy_name,
             gate=gate,
+            max_update_bytes=config.kafka.max_message_bytes,
         )
 
     async def learn_window(
@@ -432,6 +456,17 @@ class Learner:
                 ),
                 Delta(key=onto.key, sources=delta.sources, base_version=onto.version),
             ]
+        elif (
+            self._max_update_bytes is not None
+            and (size := update_size(result.playbook)) > self._max_update_bytes
+        ):
+            rejection = SizeRejection(limit=self._max_update_bytes, would_be=size)
+            fallbacks = [
+                Delta(
+                    key=onto.key, tags=delta.tags, sources=delta.sources, base_version=onto.version
+                ),
+                Delta(key=onto.key, sources=delta.sources, base_version=onto.version),
+            ]
         else:
             verdict = await self._gate.review(
                 Candidate(
@@ -464,8 +499,25 @@ class Learner:
         )
 
     async def _apply(self, snapshot: Playbook, delta: Delta, tasks: Sequence[str]) -> ApplyResult:
+        limit = self._config.max_bullet_chars
+        rejected = review_adds(snapshot, delta, tasks, max_chars=limit)
+        long_updates = [
+            op for op in delta.operations if isinstance(op, UpdateOp) and len(op.content) > limit
+        ]
+        if long_updates:
+            kept = [op for op in delta.operations if op not in long_updates]
+            delta = msgspec.structs.replace(delta, operations=kept)
+        result = await self._apply_reviewed(snapshot, delta, rejected)
+        result.skipped = [
+            *result.skipped,
+            *(SkippedOp(op=op, reason="too_long") for op in long_updates),
+        ]
+        return result
+
+    async def _apply_reviewed(
+        self, snapshot: Playbook, delta: Delta, rejected: dict[int, SkipReason]
+    ) -> ApplyResult:
         budget = self._config.token_budget
-        rejected = review_adds(snapshot, delta, tasks)
         if self._embed is None:
             return apply(snapshot, delta, token_budget=budget, skip_adds=rejected)
         try:
@@ -499,6 +551,7 @@ class Learner:
 
 __all__ = [
     "LLM",
+    "UPDATE_RESERVE",
     "FailedTrace",
     "Learner",
     "Proposal",
@@ -506,4 +559,5 @@ __all__ = [
     "WindowResult",
     "WindowStats",
     "required_roles",
+    "update_size",
 ]

@@ -78,7 +78,13 @@ _SLUGS: Final = {
 
 EmbedFn = Callable[[list[str]], Awaitable[list[list[float]]]]
 SkipReason = Literal[
-    "missing_bullet", "duplicate", "near_duplicate", "superseded", "restates_task", "no_lesson"
+    "missing_bullet",
+    "duplicate",
+    "near_duplicate",
+    "superseded",
+    "restates_task",
+    "no_lesson",
+    "too_long",
 ]
 
 

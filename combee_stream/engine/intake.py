@@ -4,8 +4,10 @@ The poll loop is the only reader of the engine's consumer. It decodes each recor
 configured trace format, parks a bad one in the DLQ, skips a trace at or below its key's
 restored watermark (learned before a crash or a rebalance) and hands the rest to the key's
 pipeline, started on the key's first trace with its chain restored. It never calls an LLM.
-When ``engine.queue_size`` traces are buffered it pauses the owned partitions instead of
-blocking (the consumer keeps its group membership) and resumes them below half of it.
+When a partition has ``engine.queue_size`` traces buffered (read, not yet done) it pauses that
+partition, not the others, instead of blocking (the consumer keeps its group membership), and
+resumes it below half of that: a key whose windows are stuck (a slow endpoint, a huge trace)
+holds back the keys of its own partition only, never the other partitions' keys.
 """
 
 from __future__ import annotations
@@ -78,7 +80,6 @@ class Intake:
         self._format = get_format(config.kafka.traces_format)
         self._settings = pipeline_settings(config)
         self.keys: dict[str, KeyEntry] = {}
-        self.paused_for_backpressure = False
         self._tg: TaskGroup | None = None
 
     async def run(self, tg: TaskGroup, stopping: anyio.Event) -> None:
@@ -112,8 +113,9 @@ class Intake:
             self.keys.pop(key).inbox.close()
 
     def resume(self, partition: int) -> None:
-        """A restored partition starts reading, unless backpressure holds (then later)."""
-        if not self.paused_for_backpressure:
+        """A restored partition starts reading, unless backpressure holds it (then later)."""
+        part = self._partitions.get(partition)
+        if part is not None and not part.backpressured:
             self._consumer.resume(TopicPartition(self._config.kafka.traces_topic, partition))
 
     @property
@@ -124,21 +126,23 @@ class Intake:
 
     def _backpressure(self, queue_size: int) -> None:
         topic = self._config.kafka.traces_topic
-        owned = [TopicPartition(topic, p) for p, s in self._partitions.items() if s.owned]
-        buffered = self.buffered
-        if self.paused_for_backpressure:
-            self._consumer.pause(*owned)  # idempotent; covers partitions assigned meanwhile
-        if not self.paused_for_backpressure and buffered >= queue_size:
-            self._consumer.pause(*owned)
-            self.paused_for_backpressure = True
-            self._metrics.backpressure_pauses.inc()
-            log.info("backpressure: partitions paused", buffered=buffered)
-        elif self.paused_for_backpressure and buffered < queue_size // 2:
-            restored = [tp for tp in owned if self._partitions[tp.partition].restored.is_set()]
-            self._consumer.resume(*restored)
-            self.paused_for_backpressure = False
-            log.info("backpressure: partitions resumed", buffered=buffered)
-        self._metrics.buffered.set(buffered)
+        for p, part in self._partitions.items():
+            if not part.owned:
+                continue
+            tp, pending = TopicPartition(topic, p), part.offsets.pending
+            if part.backpressured:
+                self._consumer.pause(tp)  # idempotent; a rebalance may have resumed it
+                if pending < queue_size // 2:
+                    part.backpressured = False
+                    if part.restored.is_set():
+                        self._consumer.resume(tp)
+                    log.info("backpressure: partition resumed", partition=p, buffered=pending)
+            elif pending >= queue_size:
+                self._consumer.pause(tp)
+                part.backpressured = True
+                self._metrics.backpressure_pauses.inc()
+                log.info("backpressure: partition paused", partition=p, buffered=pending)
+        self._metrics.buffered.set(self.buffered)
 
     async def _route(self, part: PartitionState, record: Any) -> None:
         part.offsets.read(record.offset)

@@ -24,6 +24,7 @@ class PartitionState:
         # Held while publishing and while revoking: a revoked partition never publishes again.
         self.lock = anyio.Lock()
         self.committed = -1  # the last offset this owner committed
+        self.backpressured = False  # paused because too many of its traces are buffered
         self.workers: list[anyio.CancelScope] = []  # the key pipelines, cancelled on revoke
 
 

@@ -23,6 +23,8 @@ def make_producer(
         "enable_idempotence": True,
         "acks": "all",
         "request_timeout_ms": cfg.request_timeout_ms,
+        # A prompt version may be as large as the prompts topic takes (plus batch framing).
+        "max_request_size": max(1_048_576, cfg.max_message_bytes + 65_536),
     }
     kwargs.update(overrides)
     return AIOKafkaProducer(**kwargs)

@@ -35,11 +35,16 @@ class TopicMismatchError(UserError):
 
 
 def topic_specs(cfg: KafkaConfig) -> list[TopicSpec]:
-    prompts_configs = {"cleanup.policy": "compact", **cfg.prompts_topic_configs}
+    prompts_configs = {
+        "cleanup.policy": "compact",
+        "max.message.bytes": str(cfg.max_message_bytes),
+        **cfg.prompts_topic_configs,
+    }
+    dlq_configs = {"retention.ms": str(cfg.dlq_retention_ms)}
     return [
         TopicSpec(cfg.traces_topic, cfg.partitions, {}),
         TopicSpec(cfg.prompts_topic, cfg.partitions, prompts_configs),
-        TopicSpec(cfg.dlq_topic, cfg.partitions, {}),
+        TopicSpec(cfg.dlq_topic, cfg.partitions, dlq_configs),
     ]
 
 
@@ -65,15 +70,17 @@ async def _wait_visible(
     raise UserError(f"topics {missing} did not appear in the cluster metadata within {limit_s} s")
 
 
-async def _cleanup_policy(admin: AIOKafkaAdminClient, name: str) -> str:
+async def topic_config(admin: AIOKafkaAdminClient, name: str, key: str) -> str | None:
+    """One config value of a topic as the broker has it (its default when not set)."""
     [response] = await admin.describe_configs(
-        [ConfigResource(ConfigResourceType.TOPIC, name, {"cleanup.policy": None})]
+        [ConfigResource(ConfigResourceType.TOPIC, name, {key: None})]
     )
     for resource in response.to_object()["resources"]:
         for entry in resource["config_entries"]:
-            if entry["config_names"] == "cleanup.policy":
-                return str(entry["config_value"])
-    return "delete"
+            if entry["config_names"] == key:
+                value = entry["config_value"]
+                return None if value is None else str(value)
+    return None
 
 
 async def ensure_topics(cfg: KafkaConfig, env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -118,11 +125,21 @@ async def ensure_topics(cfg: KafkaConfig, env: Mapping[str, str] | None = None) 
                 f"{cfg.partitions}: set kafka.partitions = {traces} (partitions cannot shrink, "
                 "and growing them moves keys between partitions)"
             )
-        policy = await _cleanup_policy(admin, cfg.prompts_topic)
-        if "compact" not in policy:
+        policy = await topic_config(admin, cfg.prompts_topic, "cleanup.policy") or "delete"
+        if policy != "compact":
+            # compact,delete would drop a key's newest version after retention.ms: the engine
+            # would then restart the key from nothing.
             raise TopicMismatchError(
                 f"prompts topic {cfg.prompts_topic!r} has cleanup.policy={policy}; it must be "
-                "compact (it holds the newest prompt version per key)"
+                "compact, and only compact (it holds the newest prompt version of every key, "
+                "forever)"
+            )
+        limit = await topic_config(admin, cfg.prompts_topic, "max.message.bytes")
+        if limit is not None and int(limit) < cfg.max_message_bytes:
+            raise TopicMismatchError(
+                f"prompts topic {cfg.prompts_topic!r} takes records of at most {limit} bytes "
+                f"but kafka.max_message_bytes = {cfg.max_message_bytes}: lower the setting, or "
+                f"raise the topic's max.message.bytes"
             )
         return result
     finally:
