@@ -77,14 +77,31 @@ async def seed_prompt(config: Config, key: str, text: str, *, force: bool = Fals
     return update
 
 
-async def read_versions(config: Config, key: str) -> list[PromptUpdate]:
-    """Every version of ``key`` still on the prompts topic (compaction keeps the newest)."""
-    versions = {u.version: u for u in await read_updates(config.kafka, keys={key})}
-    return [versions[v] for v in sorted(versions)]
+async def read_versions(config: Config, key: str) -> tuple[list[PromptUpdate], list[int]]:
+    """Every version of ``key`` still on the prompts topic (compaction keeps the newest), the
+    first published of each when a version was written twice, and the forked version numbers
+    (two different updates with one number)."""
+    versions: dict[int, PromptUpdate] = {}
+    forks: set[int] = set()
+    for update in await read_updates(config.kafka, keys={key}):
+        first = versions.setdefault(update.version, update)
+        if first is not update and (first.playbook, first.stats.trace_ids) != (
+            update.playbook,
+            update.stats.trace_ids,
+        ):
+            forks.add(update.version)
+    return [versions[v] for v in sorted(versions)], sorted(forks)
 
 
 async def _inspect(args: argparse.Namespace, config: Config) -> int:
-    versions = await read_versions(config, args.key)
+    versions, forks = await read_versions(config, args.key)
+    if forks:
+        print(
+            f"combee-stream inspect: FORK: versions {forks} of {args.key!r} were published "
+            "twice with different content; the first published of each is the one served and "
+            "restored",
+            file=sys.stderr,
+        )
     if not versions:
         raise UserError(f"no versions of key {args.key!r} on {config.kafka.prompts_topic}")
     by_version = {u.version: u for u in versions}

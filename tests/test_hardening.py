@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import sys
+from collections import Counter
+from pathlib import Path
 
 import anyio
 import msgspec
 import pytest
-from engine_support import audit, engine_config, lessons_of, produce, wait_until_learned
+from engine_support import (
+    audit,
+    engine_config,
+    env_for,
+    kill,
+    lessons_of,
+    produce,
+    read_updates,
+    spawn_engine,
+    wait_until_learned,
+)
 
 from combee_stream.config import Config
 from combee_stream.core.playbook import new_playbook
@@ -30,7 +45,7 @@ from combee_stream.schemas import (
     decode,
     encode,
 )
-from combee_stream.sim import LatencyModel, SimSettings, sim_server
+from combee_stream.sim import LatencyModel, SimSettings, generate_traces, sim_server
 from combee_stream.sim.markers import marker_line
 from combee_stream.sim.roles import block, reflect
 
@@ -232,3 +247,78 @@ async def test_topics_create_sets_the_limits_and_refuses_compact_delete(
     assert retention == str(cfg.kafka.dlq_retention_ms) and int(retention) > 7 * 24 * 3600_000
     with pytest.raises(TopicMismatchError, match="compact,delete"):
         await ensure_topics(other.kafka)
+
+
+@pytest.mark.anyio
+async def test_a_paused_zombie_instance_cannot_fork_the_version_chain(
+    config: Config, unique: str, tmp_path: Path
+) -> None:
+    """Instance A is frozen (SIGSTOP) past its session timeout with windows in flight; B takes
+    its partitions over; A thaws and tries to publish. In the default (watermark) mode the
+    partition's transactional id fences A: no version number is ever written twice."""
+    traces = generate_traces(80, 2, 8, seed=31)
+    async with sim_server(SimSettings(seed=31, latency=LatencyModel(base_s=0.4))) as llm:
+        cfg = engine_config(config, unique, llm.base_url, batch_size=5, session_timeout_ms=3000)
+        await ensure_topics(cfg.kafka)
+        await produce(cfg, traces)
+        a = spawn_engine(cfg, tmp_path / "a.log")
+        b = None
+        try:
+            with anyio.fail_after(90):
+                while len(await read_updates(cfg)) < 2:  # noqa: ASYNC110 - other processes' state
+                    await anyio.sleep(0.1)
+            requests = llm.stats()["roles"].get("curator", {}).get("requests", 0)
+            with anyio.fail_after(60):  # freeze A while its curators are at work
+                while llm.stats()["roles"]["curator"]["requests"] == requests:  # noqa: ASYNC110 - other processes' state
+                    await anyio.sleep(0.02)
+            os.killpg(a.pid, signal.SIGSTOP)
+            b = spawn_engine(cfg, tmp_path / "b.log")
+            with anyio.fail_after(90):  # B owns the partitions and has published
+                before = len(await read_updates(cfg))
+                while len(await read_updates(cfg)) <= before:  # noqa: ASYNC110 - other processes' state
+                    await anyio.sleep(0.2)
+            os.killpg(a.pid, signal.SIGCONT)  # the zombie wakes up with its windows
+            expected = {k: sum(t.key == k for t in traces) for k in {t.key for t in traces}}
+            updates = await wait_until_learned(cfg, expected, limit_s=240)
+            await anyio.sleep(3)  # time for a late zombie write to land, if it could
+            updates = await read_updates(cfg)
+        finally:
+            os.killpg(a.pid, signal.SIGCONT)
+            kill(a)
+            if b is not None:
+                kill(b, signal.SIGTERM)
+    numbers = Counter((u.key, u.version) for u in updates)
+    assert [kv for kv, n in numbers.items() if n > 1] == [], "a version was written twice"
+    result = audit(updates)
+    assert result.problems == []
+    assert set(result.learned) == {t.trace_id for t in traces}
+    assert max(result.learned.values()) == 1, "a trace was learned twice"
+
+
+@pytest.mark.anyio
+async def test_a_fork_is_reported_and_the_first_version_stands(config: Config, unique: str) -> None:
+    from combee_stream.core.versions import seed_update
+    from combee_stream.kafka.producer import make_producer, publish_update
+    from combee_stream.kafka.subscriber import PromptSubscriber
+
+    cfg = engine_config(config, unique, "http://127.0.0.1:9/v1")
+    await ensure_topics(cfg.kafka)
+    first = seed_update("bot", "first", None)
+    other = seed_update("bot", "second", None)  # another version 0 of the same key
+    producer = make_producer(cfg.kafka)
+    await producer.start()
+    try:
+        for update in (first, first, other):  # a retried send is no fork; the third one is
+            await publish_update(producer, cfg.kafka.prompts_topic, update)
+    finally:
+        await producer.stop()
+    async with PromptSubscriber(cfg.kafka, keys={"bot"}) as prompts:
+        assert prompts.latest("bot") == first
+        assert prompts.forks == [("bot", 0)]
+    env = {**os.environ, **env_for(cfg)}
+    shown = await anyio.run_process(
+        [sys.executable, "-m", "combee_stream", "inspect", "bot"], env=env, check=False
+    )
+    assert shown.returncode == 0
+    assert "FORK: versions [0]" in shown.stderr.decode()
+    assert "first" in shown.stdout.decode() and "second" not in shown.stdout.decode()

@@ -225,12 +225,20 @@ class Engine:
                 continue
 
             async def restore(state: PartitionState = state) -> None:
+                # Fence first, then read: initialising the partition's transactional id
+                # aborts or waits out the transaction of any earlier owner (a zombie), so the
+                # read below sees every version that will ever be committed before ours.
+                await self._publisher.txn_producer(state.partition)
                 async with PromptSubscriber(
                     self.config.kafka, partitions={state.partition}, env=self._env
                 ) as prompts:
                     state.restored_updates = prompts.snapshot()
-                if self._eos:
-                    await self._publisher.txn_producer(state.partition)
+                    if prompts.forks:
+                        log.error(
+                            "forked version chains on the prompts topic: the first published "
+                            "version of each is kept",
+                            forks=[f"{k} v{v}" for k, v in prompts.forks],
+                        )
 
             # Retried while owned; past the deadline the engine halts. Never resumed unrestored.
             if not await self._publisher.persist("restore", state, restore):

@@ -1,8 +1,9 @@
 """Everything the engine writes to Kafka: prompt versions, parked traces, dead letters.
 
 The :class:`Publisher` is the key pipelines' :class:`~combee_stream.core.pipeline.Sink`. It owns
-the producers (one plain idempotent producer; in ``exactly_once`` mode one transactional
-producer per input partition) and the one retry loop, :meth:`Publisher.persist`, that every
+the producers (one idempotent producer for dead letters; one transactional producer per input
+partition for prompt versions, in both guarantee modes: its transactional id fences a zombie
+owner) and the one retry loop, :meth:`Publisher.persist`, that every
 write (and the restorer's read) goes through:
 
 - it retries with capped backoff for as long as the engine owns the partition; a revoked
@@ -243,14 +244,16 @@ class Publisher:
     ) -> None:
         topic = self._config.kafka.prompts_topic
         value, key = encode(update), update.key.encode()
+        producer = await self.txn_producer(part.partition)
         if not self._eos:
-            await self._producer.send_and_wait(
-                topic, value=value, key=key, partition=part.partition
-            )
+            # A transaction of its own, for the fencing: a zombie owner of this partition (a
+            # process paused past its session timeout) fails here once the new owner has
+            # initialised the partition's transactional id, instead of forking the chain.
+            async with producer.transaction():
+                await producer.send(topic, value=value, key=key, partition=part.partition)
             for source in learned:
                 part.offsets.done(source.offset)
             return
-        producer = await self.txn_producer(part.partition)
         for source in learned:
             part.offsets.done(source.offset)
         commit_at = part.offsets.committable()

@@ -4,6 +4,11 @@ It reads the compacted prompts topic from the beginning (so it knows the newest 
 key the moment ``__aenter__`` returns), then follows live updates. A version older than or equal
 to the one it holds is ignored, so a late or replayed record can never roll a key back.
 
+Forks: two different updates with one version number for one key (a zombie writer, or two
+engines on one key) are reported, in ``forks`` and as an error log line, and the rule is that
+the first published one stands (it is the one every reader saw first; the engine restores it
+and continues from it).
+
     async with PromptSubscriber(config.kafka, keys={"support-bot"}) as prompts:
         prompt = prompts.latest("support-bot")
         async for update in prompts:      # newer versions as they are published
@@ -48,6 +53,7 @@ class PromptSubscriber:
         self._poll_timeout_ms = poll_timeout_ms
         self._latest: dict[str, PromptUpdate] = {}
         self.ignored_stale = 0
+        self.forks: list[tuple[str, int]] = []  # (key, version) seen twice with other content
         self._consumer = reading_consumer(cfg, env)
 
     async def __aenter__(self) -> Self:
@@ -104,6 +110,14 @@ class PromptSubscriber:
         current = self._latest.get(update.key)
         if current is not None and update.version <= current.version:
             self.ignored_stale += 1
+            if update.version == current.version and _differs(update, current):
+                self.forks.append((update.key, update.version))
+                log.error(
+                    "fork: a second, different update with the same version (the first stands)",
+                    key=update.key,
+                    version=update.version,
+                    offset=record.offset,
+                )
             return None
         self._latest[update.key] = update
         return update
@@ -123,6 +137,16 @@ class PromptSubscriber:
         while True:
             for update in await self._poll():
                 yield update
+
+
+def _differs(a: PromptUpdate, b: PromptUpdate) -> bool:
+    """Two records of one version that are not the same version (a retried send re-writes the
+    same update: not a fork)."""
+    return (a.playbook, a.stats.trace_ids, a.parent_version) != (
+        b.playbook,
+        b.stats.trace_ids,
+        b.parent_version,
+    )
 
 
 __all__ = ["PromptSubscriber"]

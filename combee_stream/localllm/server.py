@@ -65,7 +65,7 @@ def local_llm_config(server: LocalServer, llm: LLMConfig | None = None) -> LLMCo
         reflector=role_config(server, max_tokens=600, max_string_chars=250, max_list_items=8),
         curator=role_config(server, max_tokens=900, max_string_chars=400, max_list_items=8),
         combiner=role_config(server, max_tokens=900, max_string_chars=400, max_list_items=12),
-        agent=role_config(server, max_tokens=600, max_string_chars=800, max_list_items=8),
+        agent=role_config(server, max_tokens=800, max_string_chars=600, max_list_items=8),
         concurrency=server.parallel,
         timeout_s=max(llm.timeout_s, 900.0),
         max_attempts=3,
