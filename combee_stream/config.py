@@ -174,6 +174,9 @@ class EngineConfig(_Section):
     pipelined: bool = True
     # Traces buffered (read, not yet learned or parked) per partition before it is paused.
     queue_size: Positive = 1000
+    # Per key, a trace id seen among the last this many (or in the restored version) is
+    # skipped as a duplicate: producers retry, agents re-send.
+    dedup_horizon: Positive = 10_000
     # While Kafka cannot be written (publish, DLQ) or read (restore), the engine retries with
     # capped backoff and reports not ready; after this many seconds of continuous failure it
     # stops with a non-zero exit, having committed nothing it did not publish. 0 = wait forever.

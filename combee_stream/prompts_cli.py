@@ -14,6 +14,7 @@ import anyio
 from combee_stream.config import Config
 from combee_stream.core.versions import seed_update
 from combee_stream.errors import DecodeError, UserError
+from combee_stream.kafka.client import start_client
 from combee_stream.kafka.producer import make_producer, publish_update
 from combee_stream.kafka.reader import read_updates
 from combee_stream.kafka.subscriber import PromptSubscriber
@@ -69,7 +70,7 @@ async def seed_prompt(config: Config, key: str, text: str, *, force: bool = Fals
     except DecodeError as exc:
         raise UserError(f"invalid key {key!r}: {exc}") from None
     producer = make_producer(config.kafka)
-    await producer.start()
+    await start_client(producer, config.kafka)
     try:
         await publish_update(producer, config.kafka.prompts_topic, update)
     finally:

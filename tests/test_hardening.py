@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -322,3 +323,62 @@ async def test_a_fork_is_reported_and_the_first_version_stands(config: Config, u
     assert shown.returncode == 0
     assert "FORK: versions [0]" in shown.stderr.decode()
     assert "first" in shown.stdout.decode() and "second" not in shown.stdout.decode()
+
+
+@pytest.mark.anyio
+async def test_a_trace_sent_twice_is_learned_once(config: Config, unique: str) -> None:
+    traces = [lesson_trace("ka", f"t{i}", f"l{i}", f"rule {i} for the agent") for i in range(6)]
+    resent = [traces[1], traces[4], traces[4]]  # a retry and an agent that re-sends twice
+    async with sim_server(SimSettings(seed=1)) as llm:
+        cfg = engine_config(config, unique, llm.base_url, batch_size=3)
+        engine = Engine(cfg)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.run)
+            await engine.started.wait()
+            await produce(cfg, traces + resent)  # nine records, six traces
+            updates = await wait_until_learned(cfg, {"ka": 6})
+            await anyio.sleep(1.5)  # a duplicate learned as a 7th trace would show by now
+            updates = await read_updates(cfg)
+            engine.stop()
+    result = audit(updates)
+    assert result.problems == [] and max(result.learned.values()) == 1
+    assert result.final["ka"].stats.traces_learned == 6, "traces_learned counts distinct traces"
+    skipped = engine.metrics.registry.get_sample_value("combee_traces_duplicate_total")
+    assert skipped == 3
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        ({"COMBEE__KAFKA__BOOTSTRAP_SERVERS": "127.0.0.1:1"}, "no Kafka broker answers at"),
+        (
+            {
+                "COMBEE__KAFKA__SECURITY_PROTOCOL": "SASL_PLAINTEXT",
+                "COMBEE__KAFKA__SASL_MECHANISM": "PLAIN",
+                "COMBEE_KAFKA_USERNAME": "user",
+                "COMBEE_KAFKA_PASSWORD": "wrong",
+            },
+            "is reachable but the Kafka handshake failed",
+        ),
+    ],
+    ids=["wrong-bootstrap", "sasl-mismatch"],
+)
+def test_a_misconfigured_broker_connection_is_one_clear_line(
+    kafka_bootstrap: str, overrides: dict[str, str], says: str
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMBEE")}
+    env["COMBEE__KAFKA__BOOTSTRAP_SERVERS"] = kafka_bootstrap
+    env.update(overrides)
+    done = subprocess.run(
+        [sys.executable, "-m", "combee_stream", "topics", "create"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2
+    ours = [line for line in done.stderr.splitlines() if line.startswith("combee-stream:")]
+    assert len(ours) == 1 and says in ours[0], done.stderr
+    assert "kafka." in ours[0]  # it names the setting to check
+    assert "Traceback" not in done.stderr and "Unclosed" not in done.stderr

@@ -15,12 +15,15 @@ Decisions:
 - ``watermark`` carries, per traces-topic partition, the highest offset of the key's traces that
   this version and its ancestors learned; sources without a partition (files) add nothing.
 - ``traces_learned`` counts distinct traces: a window's sources are distinct by construction,
-  and a trace at or below the watermark is never handed to a window again.
+  a trace at or below the watermark is never handed to a window again, and a trace id the chain
+  has already seen (:meth:`KeyChain.seen`) is skipped: producers retry and agents re-send.
+  The horizon of that check is bounded: the last ``horizon`` trace ids the driver handed to the
+  key, plus the ids of the version it restored.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 
 from msgspec import Struct
 
@@ -40,12 +43,37 @@ class WindowInfo(Struct, frozen=True, kw_only=True):
 class KeyChain:
     """The newest durable version of one key, as its driver holds it."""
 
-    def __init__(self, key: str, *, partition: int = -1, newest: PromptUpdate | None = None):
+    def __init__(
+        self,
+        key: str,
+        *,
+        partition: int = -1,
+        newest: PromptUpdate | None = None,
+        horizon: int = 10_000,
+    ):
         if newest is not None and newest.key != key:
             raise ValueError(f"update of key {newest.key!r} restored into chain {key!r}")
         self.key = key
         self.partition = partition  # the traces partition the key lives in; -1 offline
         self.newest = newest
+        self._horizon = horizon
+        self._recent: OrderedDict[str, None] = OrderedDict()
+        for trace_id in newest.stats.trace_ids if newest is not None else ():
+            self._remember(trace_id)
+
+    def seen(self, trace_id: str) -> bool:
+        """Whether ``trace_id`` was handed to this key before (within the horizon); a new id
+        is remembered. The driver skips a seen one: it is learned, in flight, or parked."""
+        if trace_id in self._recent:
+            self._recent.move_to_end(trace_id)
+            return True
+        self._remember(trace_id)
+        return False
+
+    def _remember(self, trace_id: str) -> None:
+        self._recent[trace_id] = None
+        while len(self._recent) > self._horizon:
+            self._recent.popitem(last=False)
 
     @property
     def playbook(self) -> Playbook:

@@ -41,7 +41,7 @@ from combee_stream.engine.metrics import EngineMetrics
 from combee_stream.engine.partition import Partitions, PartitionState
 from combee_stream.engine.publisher import Publisher
 from combee_stream.errors import EngineHalted
-from combee_stream.kafka.client import client_kwargs, stop_quietly
+from combee_stream.kafka.client import client_kwargs, start_client, stop_quietly
 from combee_stream.kafka.subscriber import PromptSubscriber
 from combee_stream.kafka.topics import ensure_topics
 from combee_stream.logs import get_logger
@@ -113,10 +113,15 @@ class Engine:
 
     async def run(self) -> None:
         cfg = self.config
-        await ensure_topics(cfg.kafka, self._env)
-        await self._publisher.start()
-        self._consumer.subscribe([cfg.kafka.traces_topic], listener=_Rebalance(self))
-        await self._consumer.start()
+        try:
+            await ensure_topics(cfg.kafka, self._env)
+            await self._publisher.start()
+            self._consumer.subscribe([cfg.kafka.traces_topic], listener=_Rebalance(self))
+            await start_client(self._consumer, cfg.kafka)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._close()
+            raise
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg

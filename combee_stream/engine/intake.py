@@ -160,10 +160,22 @@ class Intake:
             self._metrics.traces_skipped.inc()
             part.offsets.done(record.offset)
             return
+        if entry.chain.seen(item.trace.trace_id):
+            # The same trace sent again (a producer's retry, an agent's re-send): learning it
+            # twice would count its lesson twice.
+            self._metrics.traces_duplicate.inc()
+            log.info("duplicate trace skipped", key=key, trace_id=item.trace.trace_id)
+            part.offsets.done(record.offset)
+            return
         entry.inbox.send_nowait(Pending(item.trace, item.source, anyio.current_time()))
 
     def _start_key(self, key: str, part: PartitionState) -> KeyEntry:
-        chain = KeyChain(key, partition=part.partition, newest=part.restored_updates.get(key))
+        chain = KeyChain(
+            key,
+            partition=part.partition,
+            newest=part.restored_updates.get(key),
+            horizon=self._config.engine.dedup_horizon,
+        )
         # Room for everything buffered engine-wide: pausing bounds the total, not one key.
         send, recv = anyio.create_memory_object_stream[Pending](
             self._config.engine.queue_size + MAX_POLL_RECORDS

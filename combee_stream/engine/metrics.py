@@ -40,6 +40,11 @@ class EngineMetrics:
             "Traces already learned (at or below the watermark)",
             registry=r,
         )
+        self.traces_duplicate = Counter(
+            "combee_traces_duplicate",
+            "Traces skipped because their key had already seen their trace id",
+            registry=r,
+        )
         self.dlq = Counter("combee_dlq", "Records parked in the DLQ", ["stage"], registry=r)
         self.windows = Counter("combee_windows", "Windows published", ["key"], registry=r)
         self.window_failures = Counter(

@@ -35,7 +35,7 @@ from combee_stream.core.versions import KeyChain
 from combee_stream.engine.metrics import EngineMetrics
 from combee_stream.engine.partition import Partitions, PartitionState
 from combee_stream.errors import BrokerUnavailableError
-from combee_stream.kafka.client import stop_quietly
+from combee_stream.kafka.client import start_client, stop_quietly
 from combee_stream.kafka.dlq import DeadLetter, send_dead_letter
 from combee_stream.kafka.producer import make_producer
 from combee_stream.logs import get_logger
@@ -68,7 +68,7 @@ class Publisher:
         self._rng = random.Random()
 
     async def start(self) -> None:
-        await self._producer.start()
+        await start_client(self._producer, self._config.kafka)
 
     async def close(self) -> None:
         for producer in [*self._txn_producers.values(), self._producer]:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Mapping
 from typing import Any
+
+import anyio
+from aiokafka.errors import KafkaError
 
 from combee_stream.config import KafkaConfig, secret
 from combee_stream.errors import UserError
@@ -50,6 +54,40 @@ async def partitions_of(consumer: Any, topic: str) -> set[int]:
     return set(cluster.partitions_for_topic(topic) or ())
 
 
+def _reachable(bootstrap: str, timeout_s: float = 3.0) -> bool:
+    """Whether any bootstrap address accepts a TCP connection."""
+    for address in bootstrap.split(","):
+        host, _, port = address.strip().rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout_s):
+                return True
+        except (OSError, ValueError):
+            continue
+    return False
+
+
+async def start_client(client: Any, cfg: KafkaConfig) -> None:
+    """Start an aiokafka client, or stop it and raise one clear UserError naming the setting
+    to check (not a traceback and a warning about an unclosed client)."""
+    try:
+        await client.start()
+    except (KafkaError, OSError) as exc:
+        await stop_quietly(client)
+        bootstrap = cfg.bootstrap_servers
+        if await anyio.to_thread.run_sync(_reachable, bootstrap):
+            raise UserError(
+                f"the broker at kafka.bootstrap_servers = {bootstrap} is reachable but the "
+                f"Kafka handshake failed ({type(exc).__name__}): check kafka.security_protocol "
+                f"(now {cfg.security_protocol}), kafka.sasl_mechanism (now "
+                f"{cfg.sasl_mechanism}) and the credentials in {cfg.sasl_username_env} / "
+                f"{cfg.sasl_password_env}"
+            ) from None
+        raise UserError(
+            f"no Kafka broker answers at kafka.bootstrap_servers = {bootstrap}: is it running "
+            "(`combee-stream kafka status`), and is the address right?"
+        ) from None
+
+
 async def stop_quietly(client: Any) -> None:
     """Stop an aiokafka client on the way out: a failure is logged, never masks the real error."""
     try:
@@ -58,4 +96,4 @@ async def stop_quietly(client: Any) -> None:
         log.debug("close failed", client=type(client).__name__, error=str(exc))
 
 
-__all__ = ["client_kwargs", "partitions_of", "stop_quietly"]
+__all__ = ["client_kwargs", "partitions_of", "start_client", "stop_quietly"]

@@ -9,7 +9,7 @@ from typing import Any, Self
 from aiokafka import AIOKafkaProducer
 
 from combee_stream.config import KafkaConfig
-from combee_stream.kafka.client import client_kwargs
+from combee_stream.kafka.client import client_kwargs, start_client
 from combee_stream.schemas import PromptUpdate, Trace, encode
 
 
@@ -41,7 +41,7 @@ class TraceProducer:
         self._producer = make_producer(cfg, env, linger_ms=5)
 
     async def __aenter__(self) -> Self:
-        await self._producer.start()
+        await start_client(self._producer, self._cfg)
         return self
 
     async def __aexit__(

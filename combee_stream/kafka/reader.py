@@ -12,7 +12,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from combee_stream.config import KafkaConfig
 from combee_stream.errors import DecodeError, UserError
-from combee_stream.kafka.client import client_kwargs, partitions_of
+from combee_stream.kafka.client import client_kwargs, partitions_of, start_client
 from combee_stream.logs import get_logger
 from combee_stream.schemas import PromptUpdate, decode
 
@@ -76,7 +76,7 @@ async def read_to_end(
 ) -> list[Any]:
     """Every record now readable in ``topic`` (committed data only), partition by partition."""
     consumer = reading_consumer(cfg, env)
-    await consumer.start()
+    await start_client(consumer, cfg)
     records: list[Any] = []
     try:
         tps = await assign_from_start(consumer, topic, partitions)

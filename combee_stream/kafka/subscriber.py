@@ -23,6 +23,7 @@ from typing import Any, Self
 
 from combee_stream.config import KafkaConfig
 from combee_stream.errors import DecodeError
+from combee_stream.kafka.client import start_client
 from combee_stream.kafka.reader import (
     assign_from_start,
     decode_update,
@@ -45,6 +46,7 @@ class PromptSubscriber:
         env: Mapping[str, str] | None = None,
         poll_timeout_ms: int = 500,
     ) -> None:
+        self._cfg = cfg
         self._topic = cfg.prompts_topic
         self._keys = frozenset(keys) if keys is not None else None
         # Only these partitions of the prompts topic (the engine restores the keys of the
@@ -57,7 +59,7 @@ class PromptSubscriber:
         self._consumer = reading_consumer(cfg, env)
 
     async def __aenter__(self) -> Self:
-        await self._consumer.start()
+        await start_client(self._consumer, self._cfg)
         try:
             await self._catch_up()
         except BaseException:

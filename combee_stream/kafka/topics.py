@@ -18,7 +18,7 @@ from aiokafka.errors import TopicAlreadyExistsError
 
 from combee_stream.config import KafkaConfig
 from combee_stream.errors import UserError
-from combee_stream.kafka.client import client_kwargs
+from combee_stream.kafka.client import client_kwargs, start_client
 from combee_stream.logs import get_logger
 
 log = get_logger(__name__)
@@ -91,7 +91,7 @@ async def ensure_topics(cfg: KafkaConfig, env: Mapping[str, str] | None = None) 
     """
     specs = topic_specs(cfg)
     admin = AIOKafkaAdminClient(**client_kwargs(cfg, env))
-    await admin.start()
+    await start_client(admin, cfg)
     try:
         existing = await _partition_counts(admin, [s.name for s in specs])
         missing = [s for s in specs if s.name not in existing]
