@@ -40,6 +40,7 @@ def configure_logging(
             foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
         )
     )
+    handler.addFilter(RepeatFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(getattr(logging, level.upper()))
@@ -47,6 +48,34 @@ def configure_logging(
     # uvicorn every served one: keep them to warnings.
     for noisy in ("aiokafka", "httpx", "httpx2", "uvicorn"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+
+
+class RepeatFilter(logging.Filter):
+    """Let one line of a kind through per ``every_s`` seconds: a client library retrying
+    against a lost topic or a dead broker logs the same error hundreds of times a second. The
+    first line of a run of repeats passes; the next one that passes says how many were held."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        super().__init__()
+        self.every_s = every_s
+        self._last: dict[tuple[str, int, str], tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING or not record.name.startswith("aiokafka"):
+            return True
+        what = (record.name, record.levelno, str(record.msg))
+        now = record.created
+        seen = self._last.get(what)
+        if seen is not None and now - seen[0] < self.every_s:
+            self._last[what] = (seen[0], seen[1] + 1)
+            return False
+        held = seen[1] if seen is not None else 0
+        self._last[what] = (now, 0)
+        if len(self._last) > 1000:  # a bounded memory of kinds
+            self._last.pop(next(iter(self._last)))
+        if held:
+            record.msg = f"{record.msg} (and {held} more like it in the last {self.every_s:g} s)"
+        return True
 
 
 def _stderr_logger(*args: Any) -> structlog.PrintLogger:

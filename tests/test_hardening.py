@@ -382,3 +382,54 @@ def test_a_misconfigured_broker_connection_is_one_clear_line(
     assert len(ours) == 1 and says in ours[0], done.stderr
     assert "kafka." in ours[0]  # it names the setting to check
     assert "Traceback" not in done.stderr and "Unclosed" not in done.stderr
+
+
+@pytest.mark.anyio
+async def test_a_lost_prompts_topic_is_never_silently_recreated(
+    config: Config, unique: str, tmp_path: Path
+) -> None:
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    traces = [lesson_trace("ka", f"t{i}", f"l{i}", f"rule {i} for the agent") for i in range(6)]
+    more = [lesson_trace("ka", f"u{i}", f"m{i}", f"later rule {i} for the agent") for i in range(6)]
+    async with sim_server(SimSettings(seed=1)) as llm:
+        cfg = engine_config(config, unique, llm.base_url, batch_size=3)
+        await learn_all(cfg, traces)  # the group has committed offsets now
+        log = tmp_path / "engine.log"
+        proc = spawn_engine(cfg, log, {"COMBEE__ENGINE__BROKER_DEADLINE_S": "8"})
+        try:
+            with anyio.fail_after(60):
+                while "partition restored" not in log.read_text():  # noqa: ASYNC110
+                    await anyio.sleep(0.1)
+            admin = AIOKafkaAdminClient(bootstrap_servers=cfg.kafka.bootstrap_servers)
+            await admin.start()
+            try:
+                await admin.delete_topics([cfg.kafka.prompts_topic])
+            finally:
+                await admin.close()
+            await produce(cfg, more)  # the engine must publish these somewhere: it cannot
+            with anyio.fail_after(120):
+                while proc.poll() is None:  # noqa: ASYNC110 - another process
+                    await anyio.sleep(0.2)
+        finally:
+            kill(proc)
+        text = log.read_text()
+        assert proc.returncode == 1, text[-2000:]
+        assert len(text.splitlines()) < 400, "repeated errors are rate-limited"
+        # restarting refuses to recreate the topic, with the recovery steps
+        env = {k: v for k, v in os.environ.items() if not k.startswith("COMBEE__")}
+        env.update(env_for(cfg))
+        with anyio.fail_after(120):
+            done = await anyio.run_process(
+                [sys.executable, "-m", "combee_stream", "run"], env=env, check=False
+            )
+    stderr = done.stderr.decode()
+    assert done.returncode == 2, stderr[-2000:]
+    assert "the engine's state was lost" in stderr and "kafka.group_id" in stderr
+    admin = AIOKafkaAdminClient(bootstrap_servers=cfg.kafka.bootstrap_servers)
+    await admin.start()
+    try:
+        names = await admin.list_topics()
+    finally:
+        await admin.close()
+    assert cfg.kafka.prompts_topic not in names, "it was not recreated empty"

@@ -14,7 +14,7 @@ import anyio
 import msgspec
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
 from combee_stream.config import KafkaConfig
 from combee_stream.errors import UserError
@@ -83,11 +83,42 @@ async def topic_config(admin: AIOKafkaAdminClient, name: str, key: str) -> str |
     return None
 
 
+class StateLostError(UserError):
+    """The prompts topic is gone while the consumer group has progress on the traces topic."""
+
+
+async def _refuse_lost_state(admin: AIOKafkaAdminClient, cfg: KafkaConfig) -> None:
+    """A missing prompts topic next to committed progress on the traces topic means the
+    engine's state was lost (the topic was deleted): recreating it empty would restart every
+    key at version 1, with no warning, and skip the traces already committed."""
+    try:
+        offsets = await admin.list_consumer_group_offsets(cfg.group_id)
+    except KafkaError:
+        return  # no group, or no coordinator yet: nothing was committed
+    committed = sorted(
+        tp.partition
+        for tp, at in offsets.items()
+        if tp.topic == cfg.traces_topic and at is not None and at.offset >= 0
+    )
+    if committed:
+        raise StateLostError(
+            f"the prompts topic {cfg.prompts_topic!r} does not exist, but consumer group "
+            f"{cfg.group_id!r} has committed offsets on {cfg.traces_topic!r} (partitions "
+            f"{committed}): the engine's state was lost. Refusing to start every key again "
+            "from nothing. Recover by restoring the topic from a backup (a mirror, or "
+            "`combee-stream prompts set KEY FILE` per key), or start over on purpose: reset "
+            f"the group's offsets to the earliest (kafka-consumer-groups --group {cfg.group_id} "
+            "--reset-offsets --to-earliest --all-topics --execute) or choose a new "
+            "kafka.group_id, then run again."
+        )
+
+
 async def ensure_topics(cfg: KafkaConfig, env: Mapping[str, str] | None = None) -> dict[str, str]:
     """Create missing topics, verify existing ones. Returns {topic: "created" | "exists"}.
 
     Idempotent. Raises TopicMismatchError when existing topics break co-partitioning or the
-    prompts topic is not compacted.
+    prompts topic is not compacted, and StateLostError instead of recreating a lost prompts
+    topic under a consumer group that has already made progress.
     """
     specs = topic_specs(cfg)
     admin = AIOKafkaAdminClient(**client_kwargs(cfg, env))
@@ -95,6 +126,8 @@ async def ensure_topics(cfg: KafkaConfig, env: Mapping[str, str] | None = None) 
     try:
         existing = await _partition_counts(admin, [s.name for s in specs])
         missing = [s for s in specs if s.name not in existing]
+        if cfg.prompts_topic not in existing and cfg.traces_topic in existing:
+            await _refuse_lost_state(admin, cfg)
         result = {s.name: "exists" for s in specs if s.name in existing}
         if missing:
             response = await admin.create_topics(
@@ -153,4 +186,11 @@ def _topic_errors(response: object) -> list[tuple[str, int, str]]:
     ]
 
 
-__all__ = ["TopicMismatchError", "TopicSpec", "ensure_topics", "topic_specs"]
+__all__ = [
+    "StateLostError",
+    "TopicMismatchError",
+    "TopicSpec",
+    "ensure_topics",
+    "topic_config",
+    "topic_specs",
+]
