@@ -134,6 +134,9 @@ class LLMConfig(_Section):
     tokens_per_minute: Annotated[int, Meta(ge=0)] = 0
     timeout_s: PositiveFloat = 60.0
     max_attempts: Positive = 4  # per call, covering transport errors and invalid replies
+    # Consecutive outage failures (no answer, HTTP 5xx) that open the circuit breaker: calls
+    # then wait for the endpoint (their attempts unspent) instead of failing their traces.
+    breaker_threshold: Positive = 5
     memo_path: str = ""  # completion memo file; empty = in memory only
     # In memory; 0 = unbounded. Only recent calls are ever replayed (a retried or resumed
     # window), so a few thousand keep memory flat in a long-running engine.

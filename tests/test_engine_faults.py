@@ -289,10 +289,15 @@ async def committed_offsets(cfg: Config) -> dict[int, int]:
 async def test_trace_whose_reflection_keeps_failing_is_parked_whole(
     config: Config, unique: str
 ) -> None:
+    """Two traces the model can never answer (while it answers the others) are parked whole;
+    an endpoint that fails for every trace is an outage instead (see test_hardening)."""
     traces = generate_traces(8, 1, 4, seed=2)
-    # every reflector request fails (500) more times than the client and engine will try
-    faults = FaultModel(rate_500=1.0, max_faults_per_request=10)
-    async with sim_server(SimSettings(seed=2, faults=faults)) as llm:
+    bad = {traces[2].trace_id, traces[5].trace_id}
+    traces = [
+        msgspec.structs.replace(t, task=f"{t.task} POISON-7") if t.trace_id in bad else t
+        for t in traces
+    ]
+    async with sim_server(SimSettings(seed=2, poison="POISON-7")) as llm:
         cfg = engine_config(config, unique, llm.base_url, batch_size=4)
         cfg = msgspec.structs.replace(
             cfg,
@@ -304,21 +309,22 @@ async def test_trace_whose_reflection_keeps_failing_is_parked_whole(
             tg.start_soon(engine.run)
             await engine.started.wait()
             await produce(cfg, traces)
+            updates = await wait_until_learned(cfg, {"sim-k0": 6})
 
             async def all_parked() -> bool:
-                return len(await read_dlq(cfg)) >= len(traces)
+                return len(await read_dlq(cfg)) >= len(bad)
 
             await wait_for(all_parked, 60)
             engine.stop()
     dead = await read_dlq(cfg)
     parked = {decode(r.value, Trace).trace_id: decode(r.value, Trace) for r in dead}
-    assert len(dead) == len(traces)
-    assert parked == {t.trace_id: t for t in traces}  # each whole trace, once
+    assert len(dead) == len(bad)
+    assert parked == {t.trace_id: t for t in traces if t.trace_id in bad}  # whole, once each
     for record in dead:
         headers = {k: v.decode() for k, v in record.headers}
         assert headers[H_STAGE] == "reflect"
-        assert "500" in headers[H_ERROR]
-    assert await read_updates(cfg) == []  # nothing learned, nothing published
+        assert "invalid reply" in headers[H_ERROR]
+    assert set(audit(updates).learned) == {t.trace_id for t in traces} - bad
     committed = await committed_offsets(cfg)
     assert sum(committed.values()) == len(traces)  # parked traces count as done
 

@@ -433,3 +433,125 @@ async def test_a_lost_prompts_topic_is_never_silently_recreated(
     finally:
         await admin.close()
     assert cfg.kafka.prompts_topic not in names, "it was not recreated empty"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.anyio
+async def test_an_llm_outage_pauses_learning_instead_of_dead_lettering(
+    config: Config, unique: str
+) -> None:
+    import httpx2
+
+    traces = [lesson_trace("ka", f"t{i}", f"l{i}", f"rule {i} for the agent") for i in range(20)]
+    port, metrics_port = free_port(), free_port()
+    base_url = f"http://127.0.0.1:{port}/v1"
+    cfg = engine_config(config, unique, base_url, batch_size=5)
+    cfg = msgspec.structs.replace(
+        cfg,
+        engine=msgspec.structs.replace(cfg.engine, metrics_port=metrics_port),
+        llm=msgspec.structs.replace(cfg.llm, timeout_s=2.0, max_attempts=3),
+    )
+    engine = Engine(cfg)
+    async with anyio.create_task_group() as tg, httpx2.AsyncClient() as http:
+        async with sim_server(SimSettings(seed=1), port=port):
+            tg.start_soon(engine.run)
+            await engine.started.wait()
+            await produce(cfg, traces[:10])
+            await wait_until_learned(cfg, {"ka": 10})
+        # the endpoint is gone for a while: traces keep coming
+        await produce(cfg, traces[10:])
+        with anyio.fail_after(60):
+            while not engine._llm.outage:  # noqa: ASYNC110 - a flag the client sets
+                await anyio.sleep(0.1)
+        ready = await http.get(f"http://127.0.0.1:{metrics_port}/readyz")
+        await anyio.sleep(5)  # an outage of several seconds, well past a trace's retries
+        assert await read_dlq_records(cfg) == [], "an outage dead-letters nothing"
+        async with sim_server(SimSettings(seed=1), port=port):  # it is back
+            updates = await wait_until_learned(cfg, {"ka": 20}, 120)
+            engine.stop()
+    assert ready.status_code == 503
+    result = audit(updates)
+    assert result.problems == [] and set(result.learned) == {t.trace_id for t in traces}
+    assert await read_dlq_records(cfg) == []
+
+
+async def read_dlq_records(cfg: Config) -> list[object]:
+    from combee_stream.kafka.reader import read_to_end
+
+    return await read_to_end(cfg.kafka, cfg.kafka.dlq_topic)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("problem", ["unreachable", "unset-key", "unknown-model"])
+async def test_the_engine_checks_its_llm_endpoints_at_start(
+    config: Config, unique: str, problem: str
+) -> None:
+    settings = SimSettings(api_key="s3cret" if problem == "unset-key" else None)
+    async with sim_server(settings) as llm:
+        url = "http://127.0.0.1:9/v1" if problem == "unreachable" else llm.base_url
+        cfg = engine_config(config, unique, url)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("COMBEE")}
+        env.update(env_for(cfg))
+        env.pop("COMBEE_TEST_KEY", None)
+        for role in ("REFLECTOR", "CURATOR", "COMBINER"):
+            env[f"COMBEE__LLM__{role}__API_KEY_ENV"] = "COMBEE_TEST_KEY"
+            if problem == "unknown-model":
+                env[f"COMBEE__LLM__{role}__MODEL"] = "no-such-model"
+        with anyio.fail_after(120):
+            done = await anyio.run_process(
+                [sys.executable, "-m", "combee_stream", "run"], env=env, check=False
+            )
+    stderr = done.stderr.decode()
+    ours = [line for line in stderr.splitlines() if line.startswith("combee-stream:")]
+    assert done.returncode == 2 and len(ours) == 1, stderr[-2000:]
+    expected = {
+        "unreachable": "cannot reach the LLM endpoint at http://127.0.0.1:9/v1",
+        "unset-key": "refused the API key (HTTP 401): check the variable COMBEE_TEST_KEY (it is "
+        "not set)",
+        "unknown-model": "model 'no-such-model' is not served at",
+    }[problem]
+    assert expected in ours[0] and "llm.reflector." in ours[0], ours[0]
+    assert "Traceback" not in stderr
+
+
+@pytest.mark.anyio
+async def test_parked_traces_are_replayed_once_after_the_cause_is_fixed(
+    config: Config, unique: str
+) -> None:
+    from combee_stream.kafka.dlq import replay_dead_letters
+
+    good = [lesson_trace("ka", f"t{i}", f"l{i}", f"rule {i} for the agent") for i in range(6)]
+    bad = [
+        lesson_trace("ka", f"p{i}", f"p{i}", f"rule {i} of the poisoned", f"POISON-7 task {i}")
+        for i in range(2)
+    ]
+    port = free_port()
+    cfg = engine_config(config, unique, f"http://127.0.0.1:{port}/v1", batch_size=4)
+    cfg = msgspec.structs.replace(cfg, llm=msgspec.structs.replace(cfg.llm, max_attempts=2))
+    engine = Engine(cfg)
+    async with anyio.create_task_group() as tg:
+        async with sim_server(SimSettings(seed=1, poison="POISON-7"), port=port):
+            tg.start_soon(engine.run)
+            await engine.started.wait()
+            await produce(cfg, good + bad)
+            await wait_until_learned(cfg, {"ka": 6})
+            with anyio.fail_after(60):
+                while len(await read_dlq_records(cfg)) < 2:  # noqa: ASYNC110 - another topic
+                    await anyio.sleep(0.2)
+        async with sim_server(SimSettings(seed=1), port=port):  # the cause is fixed
+            assert await replay_dead_letters(cfg.kafka) == 2
+            assert await replay_dead_letters(cfg.kafka) == 0, "a second replay sends nothing"
+            updates = await wait_until_learned(cfg, {"ka": 8}, 120)
+            await anyio.sleep(1.5)
+            updates = await read_updates(cfg)
+            engine.stop()
+    result = audit(updates)
+    assert result.problems == [] and max(result.learned.values()) == 1
+    assert set(result.learned) == {t.trace_id for t in good + bad}

@@ -26,6 +26,7 @@ import openai
 from openai.types.chat import ChatCompletionMessageParam
 
 from combee_stream.config import EmbeddingsConfig, LLMConfig, RoleConfig
+from combee_stream.core.breaker import Breaker
 from combee_stream.core.memo import CompletionMemo, MemoEntry, request_key
 from combee_stream.errors import CombeeError, UserError
 from combee_stream.logs import get_logger
@@ -114,12 +115,14 @@ class _Endpoint(msgspec.Struct, frozen=True):
 
 
 class _Transient(Exception):
-    """A failure worth retrying; ``retry_after`` is the server's hint in seconds, if any."""
+    """A failure worth retrying; ``retry_after`` is the server's hint in seconds, if any;
+    ``outage``: the endpoint did not answer, or answered 5xx (the circuit breaker counts it)."""
 
-    def __init__(self, reason: str, retry_after: float | None = None) -> None:
+    def __init__(self, reason: str, retry_after: float | None = None, outage: bool = False):
         super().__init__(reason)
         self.reason = reason
         self.retry_after = retry_after
+        self.outage = outage
 
 
 class _Fatal(Exception):
@@ -313,6 +316,7 @@ class LLMClient:
         self._retry = retry or RetryPolicy()
         self._rng = rng or random.Random()
         self._limiter = anyio.CapacityLimiter(config.concurrency)
+        self._breakers: dict[object, Breaker] = {}  # one per endpoint client
         self._rate = _RateLimiter(config.requests_per_minute, config.tokens_per_minute)
         self._clients: dict[_Endpoint, openai.AsyncOpenAI] = {}
         self._usage: dict[str, RoleUsage] = {role: RoleUsage() for role in ROLES}
@@ -320,6 +324,17 @@ class LLMClient:
         self._closed = False
 
     # ---------------------------------------------------------------- endpoints
+
+    def _breaker(self, client: object) -> Breaker:
+        breaker = self._breakers.get(client)
+        if breaker is None:
+            breaker = self._breakers[client] = Breaker(self._config.breaker_threshold)
+        return breaker
+
+    @property
+    def outage(self) -> bool:
+        """Whether an endpoint of this client is down (its circuit breaker is open)."""
+        return any(b.open for b in self._breakers.values())
 
     @property
     def memo(self) -> CompletionMemo:
@@ -332,6 +347,51 @@ class LLMClient:
                 self._endpoint(self._config.embeddings, "llm.embeddings")
             else:
                 self._endpoint(self._role_config(role), f"llm.{role}")
+
+    async def check(self, *roles: Role | Literal["embeddings"]) -> None:
+        """Before any real work: every endpoint of ``roles`` answers, accepts its key and
+        serves its model. Raises UserError with one line naming the setting to fix (a mistyped
+        base_url or an unset key variable would otherwise fail every trace, one by one)."""
+        self.require(*roles)
+        listed: dict[_Endpoint, set[str] | None] = {}
+        for role in dict.fromkeys(roles):
+            rc: RoleConfig | EmbeddingsConfig = (
+                self._config.embeddings if role == EMBEDDINGS else self._role_config(role)
+            )
+            section = f"llm.{role}"
+            endpoint = self._endpoint(rc, section)
+            if endpoint not in listed:
+                listed[endpoint] = await self._served_models(endpoint, section, rc.api_key_env)
+            served = listed[endpoint]
+            if served is not None and rc.model not in served:
+                raise UserError(
+                    f"model {rc.model!r} is not served at {endpoint.base_url} (it serves: "
+                    f"{', '.join(sorted(served)) or 'nothing'}): set {section}.model"
+                )
+
+    async def _served_models(
+        self, endpoint: _Endpoint, section: str, key_env: str
+    ) -> set[str] | None:
+        """The model ids the endpoint lists; None when it does not list models."""
+        client = self._client(endpoint)
+        try:
+            with anyio.fail_after(min(30.0, self._config.timeout_s)):
+                page = await client.models.list()
+        except (TimeoutError, openai.APIConnectionError) as exc:
+            raise UserError(
+                f"cannot reach the LLM endpoint at {endpoint.base_url} ({type(exc).__name__}): "
+                f"check {section}.base_url"
+            ) from None
+        except (openai.AuthenticationError, openai.PermissionDeniedError) as exc:
+            unset = "" if self._env.get(key_env) else " (it is not set)"
+            raise UserError(
+                f"the LLM endpoint at {endpoint.base_url} refused the API key (HTTP "
+                f"{exc.status_code}): check the variable {key_env}{unset}, named by "
+                f"{section}.api_key_env"
+            ) from None
+        except openai.APIStatusError:
+            return None  # no model listing here (some servers do not have one)
+        return {model.id for model in page.data}
 
     def _role_config(self, role: Role) -> RoleConfig:
         if role not in ROLES:
@@ -456,7 +516,9 @@ class LLMClient:
         client = self._client(endpoint)
         spent_in = spent_out = 0
         reason = ""
-        for attempt in range(1, self._config.max_attempts + 1):
+        attempt = 0
+        while attempt < self._config.max_attempts:
+            attempt += 1
             if attempt > 1:
                 usage.retries += 1
             try:
@@ -465,7 +527,9 @@ class LLMClient:
                 )
             except _Transient as exc:
                 reason = exc.reason
-                if attempt < self._config.max_attempts:
+                if exc.outage and self._breaker(client).open:
+                    attempt -= 1  # an outage spends no attempt: the call waits it out
+                elif attempt < self._config.max_attempts:
                     await self._backoff(role, attempt, exc)
                 continue
             except _Fatal as exc:
@@ -517,7 +581,7 @@ class LLMClient:
                 timeout=self._config.timeout_s,
             )
 
-        response = await self._send(send, estimate)
+        response = await self._send(send, estimate, self._breaker(client))
         usage = getattr(response, "usage", None)
         choices = getattr(response, "choices", None) or []
         message = getattr(choices[0], "message", None) if choices else None
@@ -531,8 +595,25 @@ class LLMClient:
         self._rate.settle(estimate, tokens_in + tokens_out)
         return reply, tokens_in, tokens_out
 
-    async def _send(self, send: Callable[[], Awaitable[R]], estimate: int) -> R:
-        """Run one request under the concurrency and rate limits; classify its failure."""
+    async def _send(self, send: Callable[[], Awaitable[R]], estimate: int, breaker: Breaker) -> R:
+        """Run one request under the endpoint's circuit breaker, the concurrency and rate
+        limits; classify its failure."""
+        await breaker.admit()  # waits while the endpoint is down (not holding a slot)
+        try:
+            result = await self._send_once(send, estimate)
+        except _Transient as exc:
+            if exc.outage:
+                breaker.failed()
+            else:
+                breaker.answered()
+            raise
+        except _Fatal:
+            breaker.answered()
+            raise
+        breaker.answered()
+        return result
+
+    async def _send_once(self, send: Callable[[], Awaitable[R]], estimate: int) -> R:
         async with self._limiter:
             await self._rate.acquire(estimate)
             try:
@@ -540,11 +621,15 @@ class LLMClient:
                 with anyio.fail_after(self._config.timeout_s):
                     return await send()
             except TimeoutError:
-                raise _Transient(f"timeout after {self._config.timeout_s:g}s") from None
+                raise _Transient(
+                    f"timeout after {self._config.timeout_s:g}s", outage=True
+                ) from None
             except openai.APITimeoutError:
-                raise _Transient(f"timeout after {self._config.timeout_s:g}s") from None
+                raise _Transient(
+                    f"timeout after {self._config.timeout_s:g}s", outage=True
+                ) from None
             except openai.APIConnectionError as exc:
-                raise _Transient(f"connection error: {exc}") from None
+                raise _Transient(f"connection error: {exc}", outage=True) from None
             except openai.APIStatusError as exc:
                 self._rate.settle(estimate, 0)
                 status = exc.status_code
@@ -553,7 +638,7 @@ class LLMClient:
                     retry_after = _retry_after(exc.response)
                     if retry_after is not None:
                         self._rate.block_until(anyio.current_time() + retry_after)
-                    raise _Transient(detail, retry_after) from None
+                    raise _Transient(detail, retry_after, outage=status >= 500) from None
                 raise _Fatal(detail) from None
             except openai.APIError as exc:
                 # e.g. a 200 whose body is not JSON: the server misbehaved, try again.
@@ -623,14 +708,18 @@ class LLMClient:
 
         usage.calls += 1
         reason = ""
-        for attempt in range(1, self._config.max_attempts + 1):
+        attempt = 0
+        while attempt < self._config.max_attempts:
+            attempt += 1
             if attempt > 1:
                 usage.retries += 1
             try:
-                response = await self._send(send, estimate)
+                response = await self._send(send, estimate, self._breaker(client))
             except _Transient as exc:
                 reason = exc.reason
-                if attempt < self._config.max_attempts:
+                if exc.outage and self._breaker(client).open:
+                    attempt -= 1  # an outage spends no attempt: the call waits it out
+                elif attempt < self._config.max_attempts:
                     await self._backoff(EMBEDDINGS, attempt, exc)
                 continue
             except _Fatal as exc:

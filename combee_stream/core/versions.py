@@ -70,6 +70,10 @@ class KeyChain:
         self._remember(trace_id)
         return False
 
+    def forget(self, trace_id: str) -> None:
+        """``trace_id`` was parked, not learned: a replay of it must be learned."""
+        self._recent.pop(trace_id, None)
+
     def _remember(self, trace_id: str) -> None:
         self._recent[trace_id] = None
         while len(self._recent) > self._horizon:

@@ -34,7 +34,7 @@ from aiokafka.errors import KafkaError
 from anyio.abc import TaskGroup
 
 from combee_stream.config import Config
-from combee_stream.core.learner import Learner
+from combee_stream.core.learner import Learner, required_roles
 from combee_stream.core.llm import LLMClient
 from combee_stream.engine.intake import MAX_POLL_RECORDS, Intake
 from combee_stream.engine.metrics import EngineMetrics
@@ -97,7 +97,13 @@ class Engine:
         self._publisher = Publisher(config, self._partitions, self.metrics, self._llm, env)
         learner = Learner.from_config(config, self._llm)
         self._intake = Intake(
-            config, self._consumer, self._partitions, learner, self._publisher, self.metrics
+            config,
+            self._consumer,
+            self._partitions,
+            learner,
+            self._publisher,
+            self.metrics,
+            outage=lambda: self._llm.outage,
         )
         self._generation = 0
         self._restore_send, self._restore_recv = anyio.create_memory_object_stream[int](1000)
@@ -114,6 +120,7 @@ class Engine:
     async def run(self) -> None:
         cfg = self.config
         try:
+            await self._llm.check(*required_roles(cfg))  # type: ignore[arg-type]
             await ensure_topics(cfg.kafka, self._env)
             await self._publisher.start()
             self._consumer.subscribe([cfg.kafka.traces_topic], listener=_Rebalance(self))

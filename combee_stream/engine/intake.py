@@ -7,12 +7,14 @@ pipeline, started on the key's first trace with its chain restored. It never cal
 When a partition has ``engine.queue_size`` traces buffered (read, not yet done) it pauses that
 partition, not the others, instead of blocking (the consumer keeps its group membership), and
 resumes it below half of that: a key whose windows are stuck (a slow endpoint, a huge trace)
-holds back the keys of its own partition only, never the other partitions' keys.
+holds back the keys of its own partition only, never the other partitions' keys. While the LLM
+endpoint is down (its circuit breaker is open, see ``core.breaker``) every partition is paused
+and ``/readyz`` says not ready: the traces wait in Kafka, not in memory and not in the DLQ.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -70,8 +72,11 @@ class Intake:
         learner: Learner,
         publisher: Publisher,
         metrics: EngineMetrics,
+        outage: Callable[[], bool] = lambda: False,
     ) -> None:
         self._config = config
+        self._outage = outage
+        self._paused_for_outage = False
         self._consumer = consumer
         self._partitions = partitions
         self._learner = learner
@@ -115,7 +120,7 @@ class Intake:
     def resume(self, partition: int) -> None:
         """A restored partition starts reading, unless backpressure holds it (then later)."""
         part = self._partitions.get(partition)
-        if part is not None and not part.backpressured:
+        if part is not None and not part.backpressured and not self._paused_for_outage:
             self._consumer.resume(TopicPartition(self._config.kafka.traces_topic, partition))
 
     @property
@@ -126,10 +131,19 @@ class Intake:
 
     def _backpressure(self, queue_size: int) -> None:
         topic = self._config.kafka.traces_topic
+        outage = self._outage()
+        back = self._paused_for_outage and not outage
+        if outage != self._paused_for_outage:
+            self._paused_for_outage = outage
+            self._metrics.health.failing["llm"] = int(outage)
+            log.warning("llm outage: intake paused" if outage else "llm back: intake resumed")
         for p, part in self._partitions.items():
             if not part.owned:
                 continue
             tp, pending = TopicPartition(topic, p), part.offsets.pending
+            if outage:
+                self._consumer.pause(tp)
+                continue
             if part.backpressured:
                 self._consumer.pause(tp)  # idempotent; a rebalance may have resumed it
                 if pending < queue_size // 2:
@@ -142,6 +156,8 @@ class Intake:
                 part.backpressured = True
                 self._metrics.backpressure_pauses.inc()
                 log.info("backpressure: partition paused", partition=p, buffered=pending)
+            elif back and part.restored.is_set():
+                self._consumer.resume(tp)
         self._metrics.buffered.set(self.buffered)
 
     async def _route(self, part: PartitionState, record: Any) -> None:

@@ -199,6 +199,7 @@ class Publisher:
             )
             if not await self.dead_letter(part, letter):
                 return
+            chain.forget(trace.trace_id)  # parked, not learned: `dlq replay` re-sends it
 
     async def dead_letter(self, part: PartitionState, letter: DeadLetter) -> bool:
         """Write ``letter`` and mark its offset done; False (nothing marked) when revoked."""

@@ -13,6 +13,7 @@ import msgspec
 from combee_stream.config import Config
 from combee_stream.errors import DecodeError, UserError
 from combee_stream.formats import get_format
+from combee_stream.kafka.dlq import replay_dead_letters
 from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.subscriber import PromptSubscriber
 from combee_stream.kafka.topics import ensure_topics
@@ -40,6 +41,21 @@ def register(sub: Any) -> None:
         "--once", action="store_true", help="print the current latest version per key, then exit"
     )
     subscribe.set_defaults(handler=_subscribe)
+
+    dlq = sub.add_parser("dlq", help="the dead-letter topic")
+    dlq_sub = dlq.add_subparsers(dest="dlq_command", required=True)
+    replay = dlq_sub.add_parser(
+        "replay",
+        help="re-send parked traces to the traces topic, once (after fixing the cause)",
+    )
+    replay.add_argument(
+        "--stage",
+        action="append",
+        choices=["reflect", "curate", "decode"],
+        help="stages to replay (repeatable; default: reflect and curate)",
+    )
+    replay.add_argument("--key", default=None, help="only this key's traces")
+    replay.set_defaults(handler=_dlq_replay)
 
 
 async def _topics_create(args: argparse.Namespace, config: Config) -> int:
@@ -104,6 +120,13 @@ async def _subscribe(args: argparse.Namespace, config: Config) -> int:
         async for update in prompts:
             out.write(encode(update).decode() + "\n")
             out.flush()
+    return 0
+
+
+async def _dlq_replay(args: argparse.Namespace, config: Config) -> int:
+    stages = tuple(args.stage or ("reflect", "curate"))
+    count = await replay_dead_letters(config.kafka, stages=stages, key=args.key)
+    print(f"replayed {count} dead letter(s) to {config.kafka.traces_topic}", file=sys.stderr)
     return 0
 
 

@@ -6,11 +6,16 @@ reflections or curation is the trace's own JSON), so it can be inspected and rep
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from typing import Any, Final
 
 import msgspec
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from combee_stream.config import KafkaConfig
+from combee_stream.errors import UserError
+from combee_stream.kafka.client import client_kwargs, partitions_of, start_client, stop_quietly
+from combee_stream.kafka.producer import make_producer
 from combee_stream.logs import get_logger
 from combee_stream.schemas import SCHEMA_VERSION
 
@@ -81,5 +86,69 @@ __all__ = [
     "H_STAGE",
     "H_TOPIC",
     "DeadLetter",
+    "replay_dead_letters",
     "send_dead_letter",
 ]
+
+
+async def replay_dead_letters(
+    cfg: KafkaConfig,
+    *,
+    stages: Collection[str] = ("reflect", "curate"),
+    key: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> int:
+    """Send parked traces back to the traces topic, once: returns how many were re-sent.
+
+    The dead letters of ``stages`` (of ``key`` only, when given) are re-sent byte for byte, keyed
+    as they were. Exactly once, per selection: a consumer group of its own per selection
+    (``GROUP.dlq-replay.STAGES.KEY``) remembers how far it got, and the re-sends and that
+    position are one Kafka transaction; a second run re-sends nothing. (A trace parked again by
+    the engine is a new dead letter, which a later replay picks up.)
+    """
+    selection = f"{'+'.join(sorted(stages))}.{key or 'any'}"
+    group = f"{cfg.group_id}.dlq-replay.{selection}"
+    consumer = AIOKafkaConsumer(
+        **client_kwargs(cfg, env),
+        group_id=group,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        isolation_level="read_committed",
+    )
+    producer = make_producer(cfg, env, transactional_id=group)
+    await start_client(consumer, cfg)
+    try:
+        await start_client(producer, cfg)
+        tps = [
+            TopicPartition(cfg.dlq_topic, p)
+            for p in sorted(await partitions_of(consumer, cfg.dlq_topic))
+        ]
+        if not tps:
+            raise UserError(f"the DLQ topic {cfg.dlq_topic!r} does not exist")
+        consumer.assign(tps)
+        end = await consumer.end_offsets(tps)
+        for tp in tps:  # from where this selection got to (the start, the first time)
+            committed = await consumer.committed(tp)
+            consumer.seek(tp, committed if committed is not None else 0)
+        replayed = 0
+        async with producer.transaction():
+            positions: dict[TopicPartition, int] = {}
+            for tp in tps:
+                while await consumer.position(tp) < end[tp]:
+                    for records in (await consumer.getmany(tp, timeout_ms=500)).values():
+                        for record in records:
+                            headers = {k: v.decode(errors="replace") for k, v in record.headers}
+                            record_key = record.key.decode(errors="replace") if record.key else None
+                            if headers.get(H_STAGE) in stages and key in (None, record_key):
+                                await producer.send(
+                                    cfg.traces_topic, value=record.value, key=record.key
+                                )
+                                replayed += 1
+                            positions[tp] = record.offset + 1
+            if positions:
+                await producer.send_offsets_to_transaction(positions, group)
+        log.info("dead letters replayed", replayed=replayed, selection=selection)
+        return replayed
+    finally:
+        await stop_quietly(producer)
+        await stop_quietly(consumer)

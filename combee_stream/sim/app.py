@@ -181,6 +181,13 @@ class SimApp:
         if scope["type"] != "http":
             return  # uvicorn runs us with lifespan="off"; nothing else is served
         route = (scope["method"], scope["path"].rstrip("/") or "/")
+        key = self.settings.api_key
+        if key is not None and route[1].startswith("/v1/"):
+            given = dict(scope.get("headers") or []).get(b"authorization", b"").decode()
+            if given != f"Bearer {key}":
+                message = "Incorrect API key provided (simulated)."
+                await _send_json(send, 401, _error(message, "invalid_request_error"))
+                return
         try:
             match route:
                 case ("POST", "/v1/chat/completions"):
@@ -255,6 +262,9 @@ class SimApp:
             await self._http_fault(send, fault)
             return
         system = "\n".join(text for role_, text in messages if role_ == "system")
+        if settings.poison and settings.poison in prompt:
+            # A request the model can never answer well: a fault of this trace, not an outage.
+            fault = "schema_violation"
         content = respond(
             role,
             prompt,

@@ -110,6 +110,11 @@ class SimSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     faults: FaultModel = field(default_factory=FaultModel)
     realism: RealismModel = field(default_factory=RealismModel)
     time_scale: float = 1.0
+    # Requests must carry ``Authorization: Bearer <api_key>`` (401 otherwise); None = any.
+    api_key: str | None = None
+    # A chat request whose prompt contains this text always gets a schema-violating reply:
+    # a trace the model cannot handle, while the others succeed.
+    poison: str | None = None
 
     def __post_init__(self) -> None:
         if self.overload is not None and self.overload < 1:

@@ -1,0 +1,92 @@
+"""The LLM client's circuit breaker: an endpoint that is down is an outage, not bad traces.
+
+Without it, every call in flight when an endpoint goes away spends its attempts in seconds and
+its trace is parked in the DLQ: a 60-second outage dead-letters the stream. With it,
+``threshold`` consecutive outage failures (connection errors, timeouts, HTTP 5xx: not a 4xx, not
+an invalid reply, which come from a live server) open the breaker: callers then wait in
+:meth:`Breaker.admit` instead of failing, and their attempts are not spent; one probe at a time is
+let through after a capped backoff (the one retry policy); the first request that gets any HTTP
+answer closes it. A trace that fails while others succeed still fails, and is parked.
+"""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+
+from combee_stream.logs import get_logger
+from combee_stream.retry import RetryPolicy
+
+log = get_logger(__name__)
+
+PROBE_BACKOFF = RetryPolicy(base_s=1.0, max_s=30.0)
+
+
+class Breaker:
+    def __init__(self, threshold: int = 5, retry: RetryPolicy = PROBE_BACKOFF) -> None:
+        self.threshold = threshold
+        self._retry = retry
+        self._rng = random.Random()
+        self._consecutive = 0
+        self.open = False
+        self.opened_at = 0.0
+        self._probes = 0
+        self._probing = False
+        self._next_probe = 0.0
+        self._changed = anyio.Event()
+
+    async def admit(self) -> None:
+        """Return when a request may be sent: at once while closed; while open, when this
+        caller is the next probe or the breaker has closed."""
+        while self.open:
+            now = anyio.current_time()
+            if not self._probing and now >= self._next_probe:
+                self._probing = True
+                return
+            changed = self._changed
+            wait = max(0.05, self._next_probe - now) if not self._probing else 60.0
+            with anyio.move_on_after(wait):
+                await changed.wait()
+
+    def failed(self) -> bool:
+        """An outage failure (no answer, or a 5xx). Returns whether the breaker is open now:
+        then the caller's attempt does not count, and it waits in admit()."""
+        self._consecutive += 1
+        if self.open:
+            self._probes += 1
+            self._probing = False
+            self._next_probe = anyio.current_time() + self._retry.delay(self._probes, self._rng)
+            self._notify()
+            return True
+        if self._consecutive >= self.threshold:
+            self.open = True
+            self.opened_at = anyio.current_time()
+            self._probes = 1
+            self._next_probe = self.opened_at + self._retry.delay(1, self._rng)
+            log.error(
+                "llm endpoint outage: calls wait for it instead of failing",
+                consecutive_failures=self._consecutive,
+            )
+            self._notify()
+            return True
+        return False
+
+    def answered(self) -> None:
+        """The endpoint answered (any HTTP response): it is up."""
+        self._consecutive = 0
+        if self.open:
+            log.info(
+                "llm endpoint back: calls resume",
+                outage_s=round(anyio.current_time() - self.opened_at, 1),
+            )
+            self.open = False
+            self._probing = False
+            self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+
+__all__ = ["PROBE_BACKOFF", "Breaker"]
