@@ -177,6 +177,12 @@ class EngineConfig(_Section):
     pipelined: bool = True
     # Traces buffered (read, not yet learned or parked) per partition before it is paused.
     queue_size: Positive = 1000
+    # A key with no trace for this long is evicted: its pipeline stops and its playbook leaves
+    # memory (its next trace reads its newest version back from the prompts topic).
+    key_idle_s: PositiveFloat = 600.0
+    # Keys with metric series of their own (the first seen, until evicted); the others are
+    # counted under key="(other)", so /metrics stays bounded in the number of keys.
+    key_metric_series: Annotated[int, Meta(ge=0)] = 100
     # Per key, a trace id seen among the last this many (or in the restored version) is
     # skipped as a duplicate: producers retry, agents re-send.
     dedup_horizon: Positive = 10_000

@@ -34,6 +34,7 @@ from combee_stream.core.prompts import (
     reflector_messages,
 )
 from combee_stream.engine import Engine
+from combee_stream.engine.partition import KeyIndex
 from combee_stream.errors import DecodeError
 from combee_stream.kafka.topics import ensure_topics
 from combee_stream.schemas import (
@@ -555,3 +556,46 @@ async def test_parked_traces_are_replayed_once_after_the_cause_is_fixed(
     result = audit(updates)
     assert result.problems == [] and max(result.learned.values()) == 1
     assert set(result.learned) == {t.trace_id for t in good + bad}
+
+
+@pytest.mark.anyio
+async def test_idle_keys_are_evicted_and_come_back_from_the_topic(
+    config: Config, unique: str
+) -> None:
+    """Many keys pass through; once idle, each costs an index entry, not its playbook, its
+    pipeline or its metric series; a returning key continues its chain from the topic."""
+    keys = [f"k{i:03d}" for i in range(150)]
+    first = [lesson_trace(k, f"{k}-1", f"{k}-a", f"first rule of {k}") for k in keys]
+    async with sim_server(SimSettings(seed=1)) as llm:
+        cfg = engine_config(config, unique, llm.base_url, batch_size=1, max_wait_s=0.2)
+        cfg = msgspec.structs.replace(
+            cfg,
+            engine=msgspec.structs.replace(cfg.engine, key_idle_s=1.0, key_metric_series=10),
+        )
+        engine = Engine(cfg)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.run)
+            await engine.started.wait()
+            await produce(cfg, first)
+            await wait_until_learned(cfg, dict.fromkeys(keys, 1), 180)
+            with anyio.fail_after(60):
+                while engine._intake.keys:
+                    await produce(cfg, [])  # keeps the poll loop (and its sweep) turning
+                    await anyio.sleep(0.5)
+            series = [
+                s for family in engine.metrics.prompt_version.collect() for s in family.samples
+            ]
+            index = [i for part in engine._partitions.values() for i in part.index.values()]
+            again = [lesson_trace(k, f"{k}-2", f"{k}-b", f"second rule of {k}") for k in keys[:5]]
+            await produce(cfg, again)
+            updates = await wait_until_learned(
+                cfg, {**dict.fromkeys(keys, 1), **dict.fromkeys(keys[:5], 2)}, 120
+            )
+            engine.stop()
+    assert len(series) <= 11, "per-key series are bounded (and released on eviction)"
+    assert len(index) == len(keys) and all(isinstance(i, KeyIndex) for i in index)
+    result = audit(updates)
+    assert result.problems == [] and max(result.learned.values()) == 1
+    for key in keys[:5]:  # restored from the topic: version 2 on version 1, both lessons
+        assert result.final[key].version == 2
+        assert lessons_of(result.final[key].playbook) == {f"{key}-a", f"{key}-b"}

@@ -17,6 +17,7 @@ settings are fixed and only ever evaluated. The model and every setting go into 
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
 from pathlib import Path
@@ -218,9 +219,7 @@ async def run_quality(config: Config, settings: QualitySettings, out: Path) -> Q
         config, train, traces_path, s.key, s.concurrency
     )
 
-    async with LLMClient(config.llm) as llm:
-        answerer = Answerer(llm)
-        base = await evaluate(answerer, "", held_out, label="base", concurrency=s.concurrency)
+    base = await _evaluated(config, "", held_out, "base", out, s.concurrency)
     rows = [_row("base", base, None)]
     results: dict[str, EvalResult] = {"base": base}
     for strategy in s.strategies:
@@ -244,10 +243,7 @@ async def run_quality(config: Config, settings: QualitySettings, out: Path) -> Q
         for update in _updates(folder):
             for reason, count in update.stats.skipped.items():
                 skipped[reason] = skipped.get(reason, 0) + count
-        async with LLMClient(config.llm) as llm:
-            result = await evaluate(
-                Answerer(llm), render(playbook), held_out, label=strategy, concurrency=s.concurrency
-            )
+        result = await _evaluated(config, render(playbook), held_out, strategy, out, s.concurrency)
         results[strategy] = result
         row = _row(strategy, result, base)
         row.bullets = sum(len(sec.bullets) for sec in playbook.sections)
@@ -279,6 +275,22 @@ async def run_quality(config: Config, settings: QualitySettings, out: Path) -> Q
         targets=_targets(rows, combee_vs_naive),
         notes=_notes(s, capacity),
     )
+
+
+async def _evaluated(
+    config: Config, prompt: str, tasks: list[Task], label: str, out: Path, concurrency: int
+) -> EvalResult:
+    """One prompt on the held-out tasks, saved in ``out`` as soon as it is done: the suite is
+    long on 2 cores, and a rerun reuses every evaluation of the same model, prompt and tasks."""
+    identity = "\n".join([config.llm.agent.model, prompt, *(t.id for t in tasks)])
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    path = anyio.Path(out / f"eval-{label}-{digest}.json")
+    if await path.is_file():
+        return msgspec.json.decode(await path.read_bytes(), type=EvalResult)
+    async with LLMClient(config.llm) as llm:
+        result = await evaluate(Answerer(llm), prompt, tasks, label=label, concurrency=concurrency)
+    await path.write_bytes(msgspec.json.encode(result))
+    return result
 
 
 def _finished(folder: Path) -> LearnReport | None:

@@ -25,7 +25,7 @@ its traces with stage ``curate``. Nothing is dropped and the key moves on.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 import anyio
@@ -149,8 +149,16 @@ class KeyPipeline:
         sink: Sink,
         inbox: MemoryObjectReceiveStream[Pending],
         settings: PipelineSettings,
+        *,
+        loader: Callable[[], Awaitable[PromptUpdate | None]] | None = None,
     ) -> None:
         self.chain = chain
+        # Reads the key's newest version back (the engine keeps only where it is); run() waits
+        # for it before the first reflection, so nothing is learned on an empty playbook.
+        self._loader = loader
+        self._window_open = False
+        self._windows_in_flight = 0
+        self.last_active = anyio.current_time()
         self.policy = policy
         self._learner = learner
         self._sink = sink
@@ -169,10 +177,22 @@ class KeyPipeline:
         # Every log line of this key's pipeline (its child tasks copy the context) names it.
         with structlog.contextvars.bound_contextvars(key=self.chain.key):
             try:
+                if self._loader is not None:
+                    restored = await self._loader()
+                    if restored is not None:
+                        self.chain.restore(restored)
                 async with anyio.create_task_group() as tg:
                     await self._assemble(tg)
             finally:
                 self.finished.set()
+
+    def idle_for(self) -> float:
+        """Seconds since the key last had work (0 while a window is open or in flight)."""
+        if self._window_open or self._windows_in_flight:
+            return 0.0
+        if self._inbox.statistics().current_buffer_used:
+            return 0.0
+        return anyio.current_time() - self.last_active
 
     # ------------------------------------------------------------------ windows
 
@@ -200,7 +220,9 @@ class KeyPipeline:
                 except anyio.EndOfStream:
                     closing = True
             if item is not None:
+                self.last_active = anyio.current_time()
                 if window is None:
+                    self._window_open = True
                     self._windows += 1
                     window = Window(self._windows, anyio.current_time())
                     window.stats = self._learner.new_stats()
@@ -221,6 +243,8 @@ class KeyPipeline:
                     for queued in window.items:
                         tg.start_soon(self._reflect, window, queued)
                 window.close(size)
+                self._window_open = False
+                self._windows_in_flight += 1
                 done = anyio.Event()
                 tg.start_soon(self._finish, window, self._previous_done, done)
                 self._previous_done = done
@@ -262,6 +286,8 @@ class KeyPipeline:
             if proposal is not None:
                 await self._publish(window, proposal)
         finally:
+            self._windows_in_flight -= 1
+            self.last_active = anyio.current_time()
             done.set()
             self._in_flight.release()
 

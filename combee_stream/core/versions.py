@@ -61,6 +61,15 @@ class KeyChain:
         for trace_id in newest.stats.trace_ids if newest is not None else ():
             self._remember(trace_id)
 
+    def restore(self, update: PromptUpdate) -> None:
+        """Take ``update`` (read back from where it was published) as the newest version."""
+        if update.key != self.key:
+            raise ValueError(f"update of key {update.key!r} restored into chain {self.key!r}")
+        if self.newest is None or update.version > self.newest.version:
+            self.newest = update
+            for trace_id in update.stats.trace_ids:
+                self._remember(trace_id)
+
     def seen(self, trace_id: str) -> bool:
         """Whether ``trace_id`` was handed to this key before (within the horizon); a new id
         is remembered. The driver skips a seen one: it is learned, in flight, or parked."""

@@ -38,13 +38,15 @@ from combee_stream.core.learner import Learner, required_roles
 from combee_stream.core.llm import LLMClient
 from combee_stream.engine.intake import MAX_POLL_RECORDS, Intake
 from combee_stream.engine.metrics import EngineMetrics
-from combee_stream.engine.partition import Partitions, PartitionState
+from combee_stream.engine.partition import KeyIndex, Partitions, PartitionState
 from combee_stream.engine.publisher import Publisher
 from combee_stream.errors import EngineHalted
 from combee_stream.kafka.client import client_kwargs, start_client, stop_quietly
+from combee_stream.kafka.reader import UpdateFetcher
 from combee_stream.kafka.subscriber import PromptSubscriber
 from combee_stream.kafka.topics import ensure_topics
 from combee_stream.logs import get_logger
+from combee_stream.schemas import PromptUpdate
 
 log = get_logger(__name__)
 
@@ -79,7 +81,7 @@ class Engine:
         self._env = env
         self._llm = llm or LLMClient(config.llm, env=env)
         self._owns_llm = llm is None
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(config.engine.key_metric_series)
         self._handle_signals = handle_signals
         self._eos = config.engine.processing_guarantee == "exactly_once"
         kafka = config.kafka
@@ -104,7 +106,9 @@ class Engine:
             self._publisher,
             self.metrics,
             outage=lambda: self._llm.outage,
+            fetch=self._fetch,
         )
+        self._fetcher = UpdateFetcher(kafka, env)
         self._generation = 0
         self._restore_send, self._restore_recv = anyio.create_memory_object_stream[int](1000)
         self._tg: TaskGroup | None = None
@@ -167,6 +171,7 @@ class Engine:
         with anyio.move_on_after(self.config.engine.shutdown_grace_s):
             await self._commit(final=True)
             await self._publisher.close()
+            await self._fetcher.aclose()
             await stop_quietly(self._consumer)
         if self._owns_llm:
             await self._llm.aclose()
@@ -244,7 +249,14 @@ class Engine:
                 async with PromptSubscriber(
                     self.config.kafka, partitions={state.partition}, env=self._env
                 ) as prompts:
-                    state.restored_updates = prompts.snapshot()
+                    state.index = {
+                        key: KeyIndex(
+                            offset=prompts.offsets[key],
+                            version=update.version,
+                            watermark=update.watermark.get(state.partition, -1),
+                        )
+                        for key, update in prompts.snapshot().items()
+                    }
                     if prompts.forks:
                         log.error(
                             "forked version chains on the prompts topic: the first published "
@@ -260,7 +272,29 @@ class Engine:
             state.restored.set()
             self._intake.resume(p)
             self.metrics.health.assigned = True
-            log.info("partition restored", partition=p, keys=len(state.restored_updates))
+            log.info("partition restored", partition=p, keys=len(state.index))
+
+    async def _fetch(self, partition: int, indexed: KeyIndex, key: str) -> PromptUpdate | None:
+        """A key's newest version, read back from the prompts topic where the index says it is
+        (retried while the partition is owned, like every read of the engine)."""
+        part = self._partitions.get(partition)
+        if part is None:
+            return None
+        found: list[PromptUpdate | None] = []
+
+        async def attempt() -> None:
+            found[:] = [await self._fetcher.update_at(partition, indexed.offset, key)]
+
+        if not await self._publisher.persist("restore", part, attempt):
+            return None  # revoked meanwhile: the pipeline is being cancelled
+        update = found[0] if found else None
+        if update is None or update.version < indexed.version:
+            raise EngineHalted(
+                f"version {indexed.version} of key {key!r} is no longer at offset "
+                f"{indexed.offset} of {self.config.kafka.prompts_topic!r} partition {partition}: "
+                "refusing to learn it again from an older state"
+            )
+        return update
 
     # ------------------------------------------------------------------ commits
 

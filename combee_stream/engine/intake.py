@@ -14,7 +14,7 @@ and ``/readyz`` says not ready: the traces wait in Kafka, not in memory and not 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -29,12 +29,13 @@ from combee_stream.core.learner import Learner
 from combee_stream.core.pipeline import KeyPipeline, Pending, PipelineSettings
 from combee_stream.core.versions import KeyChain
 from combee_stream.engine.metrics import EngineMetrics
-from combee_stream.engine.partition import Partitions, PartitionState
+from combee_stream.engine.partition import KeyIndex, Partitions, PartitionState
 from combee_stream.engine.publisher import Publisher
 from combee_stream.formats import get_format
 from combee_stream.kafka.dlq import DeadLetter
 from combee_stream.kafka.ingest import classify
 from combee_stream.logs import get_logger
+from combee_stream.schemas import PromptUpdate
 
 log = get_logger(__name__)
 
@@ -45,11 +46,22 @@ class KeyEntry:
     """A key this instance learns: its chain, its pipeline and the inbox feeding it."""
 
     def __init__(
-        self, chain: KeyChain, pipeline: KeyPipeline, inbox: MemoryObjectSendStream[Pending]
+        self,
+        chain: KeyChain,
+        pipeline: KeyPipeline,
+        inbox: MemoryObjectSendStream[Pending],
+        indexed: KeyIndex | None,
     ) -> None:
         self.chain = chain
         self.pipeline = pipeline
         self.inbox = inbox
+        self._indexed = indexed
+
+    @property
+    def watermark(self) -> int:
+        """What the key has learned in its partition (known before its version is read)."""
+        indexed = self._indexed.watermark if self._indexed is not None else -1
+        return max(indexed, self.chain.watermark)
 
 
 def pipeline_settings(config: Config) -> PipelineSettings:
@@ -73,7 +85,10 @@ class Intake:
         publisher: Publisher,
         metrics: EngineMetrics,
         outage: Callable[[], bool] = lambda: False,
+        fetch: Callable[[int, KeyIndex, str], Awaitable[PromptUpdate | None]] | None = None,
     ) -> None:
+        self._fetch = fetch
+        self._swept_at = 0.0
         self._config = config
         self._outage = outage
         self._paused_for_outage = False
@@ -105,6 +120,7 @@ class Intake:
                 for record in records:
                     await self._route(state, record)
             self._backpressure(queue_size)
+            self._evict_idle()
 
     def close_inboxes(self) -> None:
         """The flush: each pipeline drains what is buffered, closes its open window at once and
@@ -116,6 +132,23 @@ class Intake:
         """Forget the keys of revoked partitions (their pipelines are already cancelled)."""
         for key in [k for k, e in self.keys.items() if e.chain.partition in partitions]:
             self.keys.pop(key).inbox.close()
+            self._metrics.keys.release(key)
+
+    def _evict_idle(self) -> None:
+        """Stop the pipelines of keys idle for ``engine.key_idle_s``: what a key costs then is
+        its index entry (where its newest version is), not its playbook, its pipeline and its
+        metric series. Its next trace starts it again, from the version on the topic."""
+        now = anyio.current_time()
+        idle_s = self._config.engine.key_idle_s
+        if now - self._swept_at < min(5.0, idle_s / 2):
+            return
+        self._swept_at = now
+        for key, entry in list(self.keys.items()):
+            if entry.pipeline.idle_for() >= idle_s:
+                entry.inbox.close()  # the pipeline finishes: nothing is open or in flight
+                del self.keys[key]
+                self._metrics.keys.release(key)
+                log.info("idle key evicted", key=key, version=entry.chain.version)
 
     def resume(self, partition: int) -> None:
         """A restored partition starts reading, unless backpressure holds it (then later)."""
@@ -171,7 +204,7 @@ class Intake:
         entry = self.keys.get(key)
         if entry is None:
             entry = self._start_key(key, part)
-        if record.offset <= entry.chain.watermark:
+        if record.offset <= entry.watermark:
             # Learned before a crash or a rebalance: its version is already published.
             self._metrics.traces_skipped.inc()
             part.offsets.done(record.offset)
@@ -186,19 +219,24 @@ class Intake:
         entry.inbox.send_nowait(Pending(item.trace, item.source, anyio.current_time()))
 
     def _start_key(self, key: str, part: PartitionState) -> KeyEntry:
-        chain = KeyChain(
-            key,
-            partition=part.partition,
-            newest=part.restored_updates.get(key),
-            horizon=self._config.engine.dedup_horizon,
-        )
+        chain = KeyChain(key, partition=part.partition, horizon=self._config.engine.dedup_horizon)
+        indexed = part.index.get(key)
+        loader = None
+        if indexed is not None and self._fetch is not None:
+            fetch, partition = self._fetch, part.partition
+
+            async def loader() -> PromptUpdate | None:
+                return await fetch(partition, indexed, key)
+
         # Room for everything buffered engine-wide: pausing bounds the total, not one key.
         send, recv = anyio.create_memory_object_stream[Pending](
             self._config.engine.queue_size + MAX_POLL_RECORDS
         )
         policy = batch_policy(self._config.learning, key=key)
-        pipeline = KeyPipeline(chain, self._learner, policy, self._publisher, recv, self._settings)
-        entry = self.keys[key] = KeyEntry(chain, pipeline, send)
+        pipeline = KeyPipeline(
+            chain, self._learner, policy, self._publisher, recv, self._settings, loader=loader
+        )
+        entry = self.keys[key] = KeyEntry(chain, pipeline, send, indexed)
         assert self._tg is not None
         self._tg.start_soon(self._run_pipeline, pipeline, part)
         return entry

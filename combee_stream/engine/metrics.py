@@ -29,8 +29,39 @@ class Health:
         return self.live and self.assigned and not +self.failing
 
 
+OTHER_KEYS = "(other)"
+
+
+class KeyLabels:
+    """Which keys get metric series of their own: the first ``limit`` seen, until released
+    (evicted, revoked); every other key is counted under ``(other)``. So ``/metrics`` stays
+    bounded however many keys pass through an instance."""
+
+    def __init__(self, limit: int, per_key: list[Any]) -> None:
+        self.limit = limit
+        self._per_key = per_key  # the metrics labelled by key
+        self._labelled: set[str] = set()
+
+    def label(self, key: str) -> str:
+        if key in self._labelled:
+            return key
+        if len(self._labelled) < self.limit:
+            self._labelled.add(key)
+            return key
+        return OTHER_KEYS
+
+    def release(self, key: str) -> None:
+        if key in self._labelled:
+            self._labelled.discard(key)
+            for metric in self._per_key:
+                try:
+                    metric.remove(key)
+                except KeyError:
+                    pass  # this key had no sample in that metric
+
+
 class EngineMetrics:
-    def __init__(self) -> None:
+    def __init__(self, key_series: int = 100) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.traces_in = Counter(
             "combee_traces_in", "Trace records read", ["partition"], registry=r
@@ -97,6 +128,16 @@ class EngineMetrics:
             registry=r,
         )
         self.health = Health()
+        self.keys = KeyLabels(
+            key_series,
+            [
+                self.windows,
+                self.batch_size,
+                self.playbook_bullets,
+                self.playbook_tokens,
+                self.prompt_version,
+            ],
+        )
 
     @property
     def ready(self) -> bool:
@@ -136,4 +177,4 @@ async def _plain(send: Send, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-__all__ = ["EngineMetrics", "Health"]
+__all__ = ["OTHER_KEYS", "EngineMetrics", "Health", "KeyLabels"]

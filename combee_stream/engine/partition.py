@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import anyio
+from msgspec import Struct
 
 from combee_stream.engine.offsets import PartitionOffsets
-from combee_stream.schemas import PromptUpdate
+
+
+class KeyIndex(Struct, frozen=True):
+    """Where a key's newest version is on the prompts topic, and what routing needs of it
+    before it is read: a few numbers per key, whatever its playbook weighs."""
+
+    offset: int  # of the key's newest update in this partition of the prompts topic
+    version: int
+    watermark: int  # highest offset of the key's traces learned, in this traces partition
 
 
 class PartitionState:
@@ -18,9 +27,9 @@ class PartitionState:
         self.offsets = PartitionOffsets()
         self.owned = True
         self.restored = anyio.Event()
-        # The newest version of every key of this partition, read from the prompts topic
-        # before the partition's first trace is read.
-        self.restored_updates: dict[str, PromptUpdate] = {}
+        # Every key of this partition with a version: where the version is (read again when the
+        # key becomes active, so an idle key costs a few numbers, not its playbook).
+        self.index: dict[str, KeyIndex] = {}
         # Held while publishing and while revoking: a revoked partition never publishes again.
         self.lock = anyio.Lock()
         self.committed = -1  # the last offset this owner committed
@@ -31,4 +40,4 @@ class PartitionState:
 # The engine's owned partitions by number; shared by the engine, its intake and its publisher.
 Partitions = dict[int, PartitionState]
 
-__all__ = ["PartitionState", "Partitions"]
+__all__ = ["KeyIndex", "PartitionState", "Partitions"]

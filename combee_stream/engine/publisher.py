@@ -33,7 +33,7 @@ from combee_stream.core.pipeline import Window
 from combee_stream.core.playbook import playbook_tokens
 from combee_stream.core.versions import KeyChain
 from combee_stream.engine.metrics import EngineMetrics
-from combee_stream.engine.partition import Partitions, PartitionState
+from combee_stream.engine.partition import KeyIndex, Partitions, PartitionState
 from combee_stream.errors import BrokerUnavailableError
 from combee_stream.kafka.client import start_client, stop_quietly
 from combee_stream.kafka.dlq import DeadLetter, send_dead_letter
@@ -251,9 +251,10 @@ class Publisher:
             # process paused past its session timeout) fails here once the new owner has
             # initialised the partition's transactional id, instead of forking the chain.
             async with producer.transaction():
-                await producer.send(topic, value=value, key=key, partition=part.partition)
+                sent = await producer.send(topic, value=value, key=key, partition=part.partition)
             for source in learned:
                 part.offsets.done(source.offset)
+            self._index(part, update, (await sent).offset)
             return
         for source in learned:
             part.offsets.done(source.offset)
@@ -261,7 +262,7 @@ class Publisher:
         assert commit_at is not None  # the learned offsets were read
         try:
             async with producer.transaction():
-                await producer.send(topic, value=value, key=key, partition=part.partition)
+                sent = await producer.send(topic, value=value, key=key, partition=part.partition)
                 tp = TopicPartition(self._config.kafka.traces_topic, part.partition)
                 await producer.send_offsets_to_transaction(
                     {tp: commit_at}, self._config.kafka.group_id
@@ -271,17 +272,28 @@ class Publisher:
                 part.offsets.read(source.offset)
             raise
         part.committed = max(part.committed, commit_at)
+        self._index(part, update, (await sent).offset)
+
+    @staticmethod
+    def _index(part: PartitionState, update: PromptUpdate, offset: int) -> None:
+        """Where the key's newest version now is (read back if the key is evicted)."""
+        part.index[update.key] = KeyIndex(
+            offset=offset,
+            version=update.version,
+            watermark=update.watermark.get(part.partition, -1),
+        )
 
     # ------------------------------------------------------------------ metrics
 
     def _observe(self, update: PromptUpdate, window: Window) -> None:
         m, key, now = self._metrics, update.key, anyio.current_time()
         bullets = sum(len(s.bullets) for s in update.playbook.sections)
-        m.windows.labels(key).inc()
-        m.prompt_version.labels(key).set(update.version)
-        m.playbook_bullets.labels(key).set(bullets)
-        m.playbook_tokens.labels(key).set(playbook_tokens(update.playbook))
-        m.batch_size.labels(key).set(update.stats.batch_size)
+        label = m.keys.label(key)
+        m.windows.labels(label).inc()
+        m.prompt_version.labels(label).set(update.version)
+        m.playbook_bullets.labels(label).set(bullets)
+        m.playbook_tokens.labels(label).set(playbook_tokens(update.playbook))
+        m.batch_size.labels(label).set(update.stats.batch_size)
         m.publish_lag.observe(now - window.closed_at)
         learned = set(update.stats.trace_ids)
         for item in window.items:

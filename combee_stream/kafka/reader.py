@@ -8,11 +8,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from typing import Any
 
+import anyio
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from combee_stream.config import KafkaConfig
 from combee_stream.errors import DecodeError, UserError
-from combee_stream.kafka.client import client_kwargs, partitions_of, start_client
+from combee_stream.kafka.client import client_kwargs, partitions_of, start_client, stop_quietly
 from combee_stream.logs import get_logger
 from combee_stream.schemas import PromptUpdate, decode
 
@@ -120,7 +121,48 @@ async def read_updates(
     return updates
 
 
+class UpdateFetcher:
+    """Reads a key's newest update back from the prompts topic at its known offset (the
+    engine's index), so an idle key's playbook need not stay in memory. One consumer, one read
+    at a time."""
+
+    def __init__(self, cfg: KafkaConfig, env: Mapping[str, str] | None = None) -> None:
+        self._cfg = cfg
+        self._consumer = reading_consumer(cfg, env)
+        self._lock = anyio.Lock()
+        self._started = False
+
+    async def aclose(self) -> None:
+        if self._started:
+            await stop_quietly(self._consumer)
+
+    async def update_at(self, partition: int, offset: int, key: str) -> PromptUpdate | None:
+        """The update of ``key`` at ``offset``; past it when compaction moved things (the
+        newest of a key is never compacted away, so reading on finds it)."""
+        async with self._lock:
+            if not self._started:
+                await start_client(self._consumer, self._cfg)
+                self._started = True
+            tp = TopicPartition(self._cfg.prompts_topic, partition)
+            self._consumer.assign([tp])
+            self._consumer.seek(tp, offset)
+            end = (await self._consumer.end_offsets([tp]))[tp]
+            found: PromptUpdate | None = None
+            while await self._consumer.position(tp) < end:
+                batch = (await self._consumer.getmany(tp, timeout_ms=500, max_records=50)).get(
+                    tp, []
+                )
+                for record in batch:
+                    if record.key == key.encode():
+                        update = decode_update(record)
+                        found = update if update is not None else found
+                if found is not None and found.key == key:
+                    return found
+            return found
+
+
 __all__ = [
+    "UpdateFetcher",
     "assign_from_start",
     "decode_update",
     "read_to_end",

@@ -54,6 +54,7 @@ class PromptSubscriber:
         self._partitions = frozenset(partitions) if partitions is not None else None
         self._poll_timeout_ms = poll_timeout_ms
         self._latest: dict[str, PromptUpdate] = {}
+        self.offsets: dict[str, int] = {}  # key -> offset of its newest update on the topic
         self.ignored_stale = 0
         self.forks: list[tuple[str, int]] = []  # (key, version) seen twice with other content
         self._consumer = reading_consumer(cfg, env)
@@ -122,6 +123,7 @@ class PromptSubscriber:
                 )
             return None
         self._latest[update.key] = update
+        self.offsets[update.key] = record.offset
         return update
 
     def latest(self, key: str) -> PromptUpdate | None:
