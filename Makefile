@@ -7,8 +7,9 @@ TEST_KAFKA_PORT ?= 19092
 TEST_KAFKA_CONTROLLER_PORT ?= 19093
 TEST_KAFKA_STATE ?= .state/kafka-test
 LLM_STATE ?= .state/llm
+OTELCOL_STATE ?= .state/otelcol
 
-.PHONY: install lint typecheck test demo broker-test llm-prepare clean
+.PHONY: install lint typecheck test demo broker-test llm-prepare otelcol-prepare clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +38,13 @@ broker-test: install
 llm-prepare: install
 	$(CLI) llm prepare --model smollm2-135m --state-dir $(LLM_STATE)
 
-test: lint typecheck broker-test llm-prepare
+# The OpenTelemetry Collector tests' collector (OTLP receiver, batch, Kafka exporter): the Go
+# program in tests/otelcol built once from the Go module proxy (about 5 min on 2 cores, kept in
+# $(OTELCOL_STATE) with its module and build caches). A no-op until its sources change.
+otelcol-prepare: install
+	$(BIN)/python tests/otel_support.py build --state-dir $(OTELCOL_STATE)
+
+test: lint typecheck broker-test llm-prepare otelcol-prepare
 	COMBEE_TEST_KAFKA_PORT=$(TEST_KAFKA_PORT) $(BIN)/pytest -q
 
 # make demo: a real local model (built once), the engine and an agent; make demo SIM=1: the

@@ -38,6 +38,8 @@ class KafkaConfig(_Section):
     traces_topic: str = "combee.traces"
     prompts_topic: str = "combee.prompts"
     dlq_topic: str = "combee.dlq"
+    # Outcomes sent after the run (FeedbackRecord, keyed by trace id); joined by the ingest stage.
+    feedback_topic: str = "combee.feedback"
     partitions: Positive = 3
     replication_factor: Positive = 1
     # How records of the traces topic are decoded (combee_stream.formats); "native" is the
@@ -195,6 +197,41 @@ class EngineConfig(_Section):
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] = 9464  # 0 = no metrics server
 
 
+class IngestConfig(_Section):
+    """``combee-stream ingest otel``: agent telemetry (OpenTelemetry spans, as the Collector's
+    Kafka exporter writes them) assembled into traces and re-keyed into the traces topic."""
+
+    spans_topic: str = "otlp_spans"  # the Collector kafka exporter's default
+    logs_topic: str = "otlp_logs"  # evaluation results and message events as log records
+    # A compacted topic of the trace ids written, in the same transaction: after a crash the
+    # spans read again of a trace already written are recognised and not written twice.
+    state_topic: str = "combee.ingest.state"
+    encoding: Literal["otlp_proto", "otlp_json"] = "otlp_proto"
+    group_id: str = "combee-ingest"
+    # A trace is complete when its root span has ended and no span of it arrived for this long.
+    gap_s: PositiveFloat = 5.0
+    # A trace with no root span after this long (since its first span) is dead-lettered.
+    trace_timeout_s: PositiveFloat = 300.0
+    # Open (not yet written) traces held at once; past it the spans partitions are paused.
+    max_open_traces: Positive = 10_000
+    # A trace with more spans than this is dead-lettered (a span flood bounds no memory else).
+    max_spans_per_trace: Positive = 2_000
+    # How long a complete trace waits for feedback that arrives later, and feedback for its
+    # trace. 0: a trace is written as soon as it is complete.
+    feedback_wait_s: Annotated[float, Meta(ge=0)] = 0.0
+    # A trace whose feedback never came: learned without it (ACE learns from the trajectory
+    # alone) or dead-lettered.
+    learn_without_feedback: bool = True
+    # The prompt key: the first of these attributes a span of the trace carries (span, then
+    # resource attributes).
+    key_attributes: list[str] = field(
+        default_factory=lambda: ["combee.prompt.key", "gen_ai.agent.name", "service.name"]
+    )
+    version_attribute: str = "combee.prompt.version"
+    # Step contents longer than this are cut (the engine's budgets count the whole trace).
+    max_step_chars: Positive = 4_000
+
+
 class LogConfig(_Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["auto", "json", "console"] = "auto"
@@ -207,6 +244,7 @@ class Config(_Section):
     llm: LLMConfig = field(default_factory=LLMConfig)
     learning: LearningConfig = field(default_factory=LearningConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    ingest: IngestConfig = field(default_factory=IngestConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
@@ -279,6 +317,7 @@ __all__ = [
     "ConfigError",
     "EmbeddingsConfig",
     "EngineConfig",
+    "IngestConfig",
     "KafkaConfig",
     "LLMConfig",
     "LearningConfig",

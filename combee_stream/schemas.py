@@ -85,6 +85,17 @@ class Trace(_Record):
             raise ValueError("task is blank (only whitespace or NUL characters)")
 
 
+class FeedbackRecord(_Record):
+    """How a run went, sent after the fact (``TraceProducer.send_feedback``) to the feedback
+    topic, keyed by trace id. The ingest stage joins it to the trace it assembles from that
+    run's spans (``combee-stream ingest otel``)."""
+
+    key: Key  # the prompt key the run used
+    trace_id: TraceId
+    feedback: Feedback
+    schema: int = SCHEMA_VERSION
+
+
 # --------------------------------------------------------------------------- learning
 
 
@@ -288,6 +299,7 @@ __all__ = [
     "DecodeError",
     "Delta",
     "Feedback",
+    "FeedbackRecord",
     "GateRejection",
     "Operation",
     "Playbook",

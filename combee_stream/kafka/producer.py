@@ -10,7 +10,7 @@ from aiokafka import AIOKafkaProducer
 
 from combee_stream.config import KafkaConfig
 from combee_stream.kafka.client import client_kwargs, start_client
-from combee_stream.schemas import PromptUpdate, Trace, encode
+from combee_stream.schemas import FeedbackRecord, PromptUpdate, Trace, encode
 
 
 def make_producer(
@@ -60,6 +60,14 @@ class TraceProducer:
         """Send bytes without validation (for testing how the engine handles bad input)."""
         meta = await self._producer.send_and_wait(
             self._cfg.traces_topic, value=value, key=key.encode() if key is not None else None
+        )
+        return meta.partition, meta.offset
+
+    async def send_feedback(self, record: FeedbackRecord) -> tuple[int, int]:
+        """Send how a run went, after the fact, keyed by its trace id (the ingest stage joins
+        it to the trace it assembles from the run's spans)."""
+        meta = await self._producer.send_and_wait(
+            self._cfg.feedback_topic, value=encode(record), key=record.trace_id.encode()
         )
         return meta.partition, meta.offset
 

@@ -1,4 +1,4 @@
-"""Create and check the engine's three topics.
+"""Create and check the engine's three topics (and the ingest stage's: its inputs and its state).
 
 Traces and prompts are co-partitioned: the same partition count and the same key hashing (every
 producer in this package uses aiokafka's default murmur2 partitioner, the Java client's), so a
@@ -16,7 +16,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
-from combee_stream.config import KafkaConfig
+from combee_stream.config import IngestConfig, KafkaConfig
 from combee_stream.errors import UserError
 from combee_stream.kafka.client import client_kwargs, start_client
 from combee_stream.logs import get_logger
@@ -129,21 +129,7 @@ async def ensure_topics(cfg: KafkaConfig, env: Mapping[str, str] | None = None) 
         if cfg.prompts_topic not in existing and cfg.traces_topic in existing:
             await _refuse_lost_state(admin, cfg)
         result = {s.name: "exists" for s in specs if s.name in existing}
-        if missing:
-            response = await admin.create_topics(
-                [
-                    NewTopic(s.name, s.partitions, cfg.replication_factor, topic_configs=s.configs)
-                    for s in missing
-                ]
-            )
-            for name, code, message in _topic_errors(response):
-                if code == TopicAlreadyExistsError.errno:  # lost a race with another creator
-                    result[name] = "exists"
-                elif code != 0:
-                    raise UserError(f"could not create topic {name}: error {code} {message}")
-                else:
-                    result[name] = "created"
-                    log.info("topic created", topic=name)
+        result.update(await _create(admin, missing, cfg.replication_factor))
         counts = await _wait_visible(admin, [s.name for s in specs])
         traces, prompts = counts.get(cfg.traces_topic), counts.get(cfg.prompts_topic)
         if traces != prompts:
@@ -179,6 +165,56 @@ async def ensure_topics(cfg: KafkaConfig, env: Mapping[str, str] | None = None) 
         await admin.close()
 
 
+def ingest_topic_specs(cfg: KafkaConfig, ingest: IngestConfig) -> list[TopicSpec]:
+    """The ingest stage's input topics (the Collector writes spans and logs; agents write
+    feedback) and its state topic: compacted, one partition (it holds a record per trace
+    being written, read whole at every start)."""
+    inputs = [ingest.spans_topic, ingest.logs_topic, cfg.feedback_topic]
+    return [
+        *(TopicSpec(name, cfg.partitions, {}) for name in inputs),
+        TopicSpec(ingest.state_topic, 1, {"cleanup.policy": "compact"}),
+    ]
+
+
+async def ensure_ingest_topics(
+    cfg: KafkaConfig, ingest: IngestConfig, env: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The engine's topics (:func:`ensure_topics`) and the ingest stage's, created if missing."""
+    result = await ensure_topics(cfg, env)
+    specs = ingest_topic_specs(cfg, ingest)
+    admin = AIOKafkaAdminClient(**client_kwargs(cfg, env))
+    await start_client(admin, cfg)
+    try:
+        existing = await _partition_counts(admin, [s.name for s in specs])
+        result.update({s.name: "exists" for s in specs if s.name in existing})
+        missing = [s for s in specs if s.name not in existing]
+        result.update(await _create(admin, missing, cfg.replication_factor))
+        await _wait_visible(admin, [s.name for s in specs])
+    finally:
+        await admin.close()
+    return result
+
+
+async def _create(
+    admin: AIOKafkaAdminClient, specs: list[TopicSpec], replication: int
+) -> dict[str, str]:
+    if not specs:
+        return {}
+    response = await admin.create_topics(
+        [NewTopic(s.name, s.partitions, replication, topic_configs=s.configs) for s in specs]
+    )
+    result: dict[str, str] = {}
+    for name, code, message in _topic_errors(response):
+        if code == TopicAlreadyExistsError.errno:  # lost a race with another creator
+            result[name] = "exists"
+        elif code != 0:
+            raise UserError(f"could not create topic {name}: error {code} {message}")
+        else:
+            result[name] = "created"
+            log.info("topic created", topic=name)
+    return result
+
+
 def _topic_errors(response: object) -> list[tuple[str, int, str]]:
     obj = response.to_object()  # type: ignore[attr-defined]
     return [
@@ -190,7 +226,9 @@ __all__ = [
     "StateLostError",
     "TopicMismatchError",
     "TopicSpec",
+    "ensure_ingest_topics",
     "ensure_topics",
+    "ingest_topic_specs",
     "topic_config",
     "topic_specs",
 ]

@@ -1,0 +1,398 @@
+"""The ingest stage on the real broker: OpenTelemetry spans of real instrumented agent runs
+(the OpenTelemetry SDK and ``opentelemetry-instrumentation-openai-v2`` around the ``openai``
+client, against the simulator) encoded as the Collector's Kafka exporter writes them, split
+across messages and partitions and shuffled; feedback that comes later; bad input; SIGKILL.
+
+Every claim is checked on the topics: the traces topic (read committed) holds each trace once,
+with the right key, task, steps and output; the DLQ holds what could not be a trace, with why.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import otel_support
+import pytest
+from aiokafka import TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from engine_support import REPO, engine_config, env_for, kill, wait_until_learned
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.trace.export import SpanExportResult
+from otel_agent import AgentRun, encode, per_trace_slices, run_agent
+from otel_support import run_collector
+
+from combee_stream.config import Config
+from combee_stream.engine import Engine
+from combee_stream.ingest import IngestStage
+from combee_stream.kafka.dlq import H_ERROR, H_STAGE
+from combee_stream.kafka.producer import TraceProducer, make_producer
+from combee_stream.kafka.reader import read_to_end, reading_consumer
+from combee_stream.schemas import Feedback, FeedbackRecord, Trace, decode
+from combee_stream.sim import SimSettings, sim_server
+from combee_stream.sim.tasks import sim_tasks
+
+pytestmark = pytest.mark.kafka
+SEED = 3
+
+
+def ingest_config(cfg: Config, unique: str, **ingest: Any) -> Config:
+    settings = msgspec.structs.replace(
+        cfg.ingest,
+        spans_topic=f"i.spans.{unique}",
+        logs_topic=f"i.logs.{unique}",
+        state_topic=f"i.state.{unique}",
+        group_id=f"i.group.{unique}",
+        **{"gap_s": 0.5, "trace_timeout_s": 8.0, **ingest},
+    )
+    kafka = msgspec.structs.replace(cfg.kafka, feedback_topic=f"i.feedback.{unique}")
+    return msgspec.structs.replace(cfg, ingest=settings, kafka=kafka)
+
+
+async def agent_runs(base_url: str, n: int, keys: Sequence[str]) -> list[AgentRun]:
+    tasks = sim_tasks(n, keys=1, lessons=n, seed=SEED)
+    return [
+        await run_agent(base_url, task.question, key=keys[i % len(keys)], version=0)
+        for i, task in enumerate(tasks)
+    ]
+
+
+def shuffled_records(
+    runs: Sequence[AgentRun], encoding: str, partitions: int, rng: random.Random
+) -> list[tuple[bytes | None, bytes, int]]:
+    """(key, value, partition) records in three shapes the exporter writes or that batching
+    produces: whole batches of several traces (unkeyed), one slice per trace keyed by its id,
+    and one span per message on any partition; then shuffled."""
+    records: list[tuple[bytes | None, bytes, int]] = []
+    thirds = [runs[0::3], runs[1::3], runs[2::3]]
+    batch = [span for run in thirds[0] for span in run.spans]
+    records.append((None, encode(batch, encoding), rng.randrange(partitions)))  # type: ignore[arg-type]
+    for run in thirds[1]:
+        for key, value in per_trace_slices(run.spans, encoding):  # type: ignore[arg-type]
+            records.append((key, value, rng.randrange(partitions)))
+    for run in thirds[2]:
+        for span in run.spans:
+            records.append((None, encode([span], encoding), rng.randrange(partitions)))  # type: ignore[arg-type]
+    rng.shuffle(records)
+    return records
+
+
+async def send_records(cfg: Config, topic: str, records: Sequence[tuple[Any, bytes, int]]) -> None:
+    producer = make_producer(cfg.kafka)
+    await producer.start()
+    try:
+        for key, value, partition in records:
+            await producer.send_and_wait(topic, value=value, key=key, partition=partition)
+    finally:
+        await producer.stop()
+
+
+async def written_traces(cfg: Config) -> list[Trace]:
+    return [decode(r.value, Trace) for r in await read_to_end(cfg.kafka, cfg.kafka.traces_topic)]
+
+
+async def wait_for_traces(cfg: Config, n: int, limit_s: float = 120.0) -> list[Trace]:
+    with anyio.fail_after(limit_s):
+        while True:
+            traces = await written_traces(cfg)
+            if len(traces) >= n:
+                return traces
+            await anyio.sleep(0.5)
+
+
+async def dead_letters(cfg: Config) -> list[Any]:
+    return [
+        r
+        for r in await read_to_end(cfg.kafka, cfg.kafka.dlq_topic)
+        if dict(r.headers).get(H_STAGE) == b"ingest"
+    ]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("encoding", ["otlp_proto", "otlp_json"])
+async def test_agent_spans_become_traces_once_and_the_engine_learns_from_their_feedback(
+    config: Config, unique: str, encoding: str
+) -> None:
+    keys = ["calc-a", "calc-b"]
+    async with sim_server(SimSettings(seed=SEED)) as sim:
+        cfg = engine_config(config, unique, sim.base_url, batch_size=3, max_wait_s=0.5)
+        cfg = ingest_config(cfg, unique, encoding=encoding, feedback_wait_s=3.0)
+        runs = await agent_runs(sim.base_url, 9, keys)
+        tasks = {t.question: t for t in sim_tasks(9, keys=1, lessons=9, seed=SEED)}
+        records = shuffled_records(runs, encoding, cfg.kafka.partitions, random.Random(7))
+        stage, engine = IngestStage(cfg), Engine(cfg)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stage.run)
+            tg.start_soon(engine.run)
+            await stage.started.wait()
+            await send_records(cfg, cfg.ingest.spans_topic, records)
+            # The environment's verdict comes after the run, keyed by trace id.
+            async with TraceProducer(cfg.kafka) as producer:
+                for i, run in enumerate(runs):
+                    task = tasks[run.task]
+                    feedback = Feedback(
+                        passed=False,
+                        ground_truth=task.answer,
+                        text=task.metadata["feedback"],
+                    )
+                    await producer.send_feedback(
+                        FeedbackRecord(key=keys[i % 2], trace_id=run.trace_id, feedback=feedback)
+                    )
+            traces = await wait_for_traces(cfg, len(runs))
+            updates = await wait_until_learned(cfg, {"calc-a": 5, "calc-b": 4}, 120)
+            stage.stop()
+            engine.stop()
+    written = Counter(t.trace_id for t in traces)
+    assert written == Counter(run.trace_id for run in runs), "every trace once, none other"
+    by_id = {t.trace_id: t for t in traces}
+    for i, run in enumerate(runs):
+        trace = by_id[run.trace_id]
+        assert trace.key == keys[i % 2]
+        assert trace.task == run.task and trace.output == run.output
+        kinds = [s.kind for s in trace.steps]
+        assert "tool_call" in kinds and "observation" in kinds, kinds
+        assert kinds.index("tool_call") < kinds.index("observation")
+        assert trace.feedback.passed is False and trace.feedback.ground_truth
+    learned = {tid for u in updates for tid in u.stats.trace_ids}
+    assert learned == set(written), "the engine learned every assembled trace"
+    lessons = {b.content for u in updates for s in u.playbook.sections for b in s.bullets}
+    assert lessons, "the lessons in the late feedback reached the playbooks"
+    assert await dead_letters(cfg) == []
+
+
+@pytest.mark.anyio
+async def test_bad_input_is_dead_lettered_with_its_reason_and_good_traces_pass(
+    config: Config, unique: str
+) -> None:
+    async with sim_server(SimSettings(seed=SEED)) as sim:
+        cfg = engine_config(config, unique, sim.base_url)
+        cfg = ingest_config(cfg, unique, max_spans_per_trace=4, trace_timeout_s=3.0)
+        [good, flood] = await agent_runs(sim.base_url, 2, ["calc-a"])
+        whole = encode(good.spans, "otlp_proto")
+        json_value = encode(good.spans, "otlp_json")
+        bad = [
+            (None, whole[: len(whole) // 2], 0),  # truncated protobuf
+            (None, json_value, 1),  # the wrong encoding
+            (None, os.urandom(300), 2),
+        ]
+        # A flood: the same trace's spans again and again under new span ids.
+        many = [s for _ in range(3) for s in flood.spans]
+        flooded = [(None, encode([span], "otlp_proto"), 0) for span in _respanned(many)]
+        stage = IngestStage(cfg)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stage.run)
+            await stage.started.wait()
+            await send_records(cfg, cfg.ingest.spans_topic, [*bad, *flooded, (None, whole, 1)])
+            orphan = FeedbackRecord(key="calc-a", trace_id="f" * 32, feedback=Feedback(passed=True))
+            async with TraceProducer(cfg.kafka) as producer:
+                await producer.send_feedback(orphan)
+            with anyio.fail_after(60):
+                while True:
+                    letters = await dead_letters(cfg)
+                    if any(r.key == orphan.trace_id.encode() for r in letters):
+                        break
+                    await anyio.sleep(0.5)
+            traces = await wait_for_traces(cfg, 1)
+            stage.stop()
+    assert [t.trace_id for t in traces] == [good.trace_id]
+    reasons = [dict(r.headers)[H_ERROR].decode() for r in letters]
+    assert sum("OTLP" in r or "protobuf" in r.lower() for r in reasons) >= 3, reasons
+    assert any(r.startswith("span_flood") for r in reasons), reasons
+    assert any(r.startswith("orphan_feedback") and "f" * 32 in r for r in reasons), reasons
+    decoded = [r for r in letters if r.value in (whole[: len(whole) // 2], json_value)]
+    assert len(decoded) == 2, "undecodable records are kept byte for byte"
+
+
+def _respanned(spans: Sequence[Any]) -> list[Any]:
+    """Copies of ``spans`` under fresh span ids (SDK ReadableSpans keep their context)."""
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.trace import SpanContext
+
+    out = []
+    for i, span in enumerate(spans):
+        ctx = span.get_span_context()
+        fresh = SpanContext(ctx.trace_id, 0x1000 + i, False, ctx.trace_flags, ctx.trace_state)
+        out.append(
+            ReadableSpan(
+                name=span.name,
+                context=fresh,
+                parent=span.parent,
+                resource=span.resource,
+                attributes=span.attributes,
+                events=span.events,
+                kind=span.kind,
+                instrumentation_scope=span.instrumentation_scope,
+                start_time=span.start_time,
+                end_time=span.end_time,
+            )
+        )
+    return out
+
+
+async def wait_fully_committed(cfg: Config, limit_s: float) -> None:
+    """Until the ingest group's committed offsets on the spans topic are its end offsets."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=cfg.kafka.bootstrap_servers)
+    consumer = reading_consumer(cfg.kafka)
+    await admin.start()
+    await consumer.start()
+    try:
+        topic = cfg.ingest.spans_topic
+        tps = [TopicPartition(topic, p) for p in range(cfg.kafka.partitions)]
+        with anyio.fail_after(limit_s):
+            while True:
+                end = await consumer.end_offsets(tps)
+                committed = await admin.list_consumer_group_offsets(cfg.ingest.group_id)
+                at = {tp: meta.offset for tp, meta in committed.items()}
+                if all(at.get(tp, 0) == end[tp] for tp in tps):
+                    return
+                await anyio.sleep(0.5)
+    finally:
+        await consumer.stop()
+        await admin.close()
+
+
+def ingest_env(cfg: Config) -> dict[str, str]:
+    s = cfg.ingest
+    env = env_for(cfg)
+    env.update(
+        {
+            "COMBEE__KAFKA__FEEDBACK_TOPIC": cfg.kafka.feedback_topic,
+            "COMBEE__INGEST__SPANS_TOPIC": s.spans_topic,
+            "COMBEE__INGEST__LOGS_TOPIC": s.logs_topic,
+            "COMBEE__INGEST__STATE_TOPIC": s.state_topic,
+            "COMBEE__INGEST__GROUP_ID": s.group_id,
+            "COMBEE__INGEST__GAP_S": str(s.gap_s),
+            "COMBEE__INGEST__TRACE_TIMEOUT_S": str(s.trace_timeout_s),
+        }
+    )
+    return env
+
+
+def spawn_ingest(cfg: Config, log_path: Path) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMBEE__")}
+    env.update(ingest_env(cfg))
+    env["PYTHONUNBUFFERED"] = "1"
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "combee_stream", "--log-level", "info", "ingest", "otel"],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(600)
+async def test_a_killed_ingest_stage_loses_and_duplicates_no_trace(
+    config: Config, unique: str, tmp_path: Path
+) -> None:
+    """SIGKILL while traces are open and while transactions are in flight, twice; the
+    restarted stage (same instance number: it fences the dead one's transaction) ends with
+    every trace on the traces topic exactly once."""
+    async with sim_server(SimSettings(seed=SEED)) as sim:
+        cfg = engine_config(config, unique, sim.base_url)
+        cfg = ingest_config(cfg, unique, gap_s=1.0)
+        runs = await agent_runs(sim.base_url, 30, ["calc-a", "calc-b", "calc-c"])
+        rng = random.Random(11)
+
+        def messages(spans: Sequence[Any]) -> list[tuple[None, bytes, int]]:
+            """One span per message on any partition, shuffled."""
+            out = [
+                (None, encode([span], "otlp_proto"), rng.randrange(cfg.kafka.partitions))
+                for span in spans
+            ]
+            rng.shuffle(out)
+            return out
+
+        # The first 3 runs' root spans are held back: their traces stay open, so the offsets
+        # of the other traces written meanwhile cannot be committed, and a restart reads those
+        # spans again. (A run's spans come within seconds of one another: a span arriving
+        # after its trace was complete would be dead-lettered as late.)
+        slow, first, second = runs[:3], runs[3:15], runs[15:]
+        roots = [run.root for run in slow]
+        early = [s for run in [*slow, *first] for s in run.spans if s not in roots]
+        log_path = tmp_path / "ingest.log"
+        proc = spawn_ingest(cfg, log_path)
+        try:
+            await send_records(cfg, cfg.ingest.spans_topic, messages(early))
+            await wait_for_traces(cfg, len(first), 120)  # the slow ones still open
+            kill(proc)
+            proc = spawn_ingest(cfg, log_path)
+            later = messages(roots) + messages([s for run in second for s in run.spans])
+            await send_records(cfg, cfg.ingest.spans_topic, later)
+            await anyio.sleep(rng.uniform(0.5, 2.0))
+            kill(proc)
+            proc = spawn_ingest(cfg, log_path)
+            await wait_for_traces(cfg, len(runs), 180)
+            # Everything read is done only once every trace was written or dead-lettered: a
+            # span read again and taken for a new trace would hold its offset open.
+            await wait_fully_committed(cfg, 60)
+            traces = await written_traces(cfg)
+        finally:
+            kill(proc, signal.SIGTERM)
+    counts = Counter(t.trace_id for t in traces)
+    assert counts == Counter(run.trace_id for run in runs), log_path.read_text()[-3000:]
+    reasons = [dict(r.headers)[H_ERROR].decode() for r in await dead_letters(cfg)]
+    assert reasons == [], "\n".join(reasons)
+
+
+otelcol_binary = otel_support.otelcol_binary  # the session fixture, for this module
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(900)  # the collector's first build, when `make otelcol-prepare` has not run
+async def test_through_the_real_collector_agents_get_a_new_prompt_version(
+    otelcol_binary: Path, config: Config, unique: str
+) -> None:
+    """Instrumented agent runs export OTLP/HTTP to the real OpenTelemetry Collector, whose
+    Kafka exporter writes them to the spans topic (per-trace messages keyed by trace id); the
+    ingest stage and the engine in one task group turn them into new prompt versions."""
+    async with sim_server(SimSettings(seed=SEED)) as sim:
+        cfg = engine_config(config, unique, sim.base_url, batch_size=2, max_wait_s=0.5)
+        cfg = ingest_config(cfg, unique, feedback_wait_s=3.0)
+        runs = await agent_runs(sim.base_url, 4, ["calc-a"])
+        tasks = {t.question: t for t in sim_tasks(4, keys=1, lessons=4, seed=SEED)}
+        stage, engine = IngestStage(cfg), Engine(cfg)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stage.run)
+            tg.start_soon(engine.run)
+            await stage.started.wait()  # the spans topic exists (the broker does not auto-create)
+            with run_collector(
+                cfg.kafka.bootstrap_servers,
+                encoding="otlp_proto",
+                partition_traces_by_id=True,
+                traces_topic=cfg.ingest.spans_topic,
+                logs_topic=cfg.ingest.logs_topic,
+                binary=otelcol_binary,
+            ) as collector:
+                exporter = OTLPSpanExporter(endpoint=f"{collector.http_endpoint}/v1/traces")
+                for run in runs:
+                    result = await anyio.to_thread.run_sync(exporter.export, run.spans)
+                    assert result == SpanExportResult.SUCCESS
+                exporter.shutdown()
+                async with TraceProducer(cfg.kafka) as producer:
+                    for run in runs:
+                        task = tasks[run.task]
+                        feedback = Feedback(passed=False, text=task.metadata["feedback"])
+                        await producer.send_feedback(
+                            FeedbackRecord(key="calc-a", trace_id=run.trace_id, feedback=feedback)
+                        )
+                traces = await wait_for_traces(cfg, len(runs))
+                updates = await wait_until_learned(cfg, {"calc-a": len(runs)}, 120)
+            stage.stop()
+            engine.stop()
+    assert sorted(t.trace_id for t in traces) == sorted(run.trace_id for run in runs)
+    newest = max(updates, key=lambda u: u.version)
+    assert newest.version >= 1 and newest.stats.traces_learned == len(runs)
+    assert any(s.bullets for s in newest.playbook.sections), "the lessons reached the prompt"

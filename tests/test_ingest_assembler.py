@@ -1,0 +1,201 @@
+"""The ingest assembler on its own (no Kafka): completion, feedback joins, rejections, offsets.
+
+Spans here are the decoded model (what the OTLP decoders produce, tested in test_otlp_format.py
+against the real OpenTelemetry libraries); the Kafka side is in test_ingest.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from combee_stream.config import IngestConfig
+from combee_stream.formats.spans import LogEvent, Span, SpanEvent, Telemetry
+from combee_stream.ingest.assembler import NO_FEEDBACK, Assembler, Rejected, Written, WrittenMark
+from combee_stream.schemas import Feedback, FeedbackRecord
+
+T = "spans"
+SETTINGS = IngestConfig(gap_s=1.0, trace_timeout_s=10.0, max_spans_per_trace=5)
+
+
+def trace_id(n: int) -> str:
+    return f"{n:032x}"
+
+
+def agent_spans(n: int, *, key: str = "support", root_end: int = 9) -> list[Span]:
+    """An invoke_agent root with one chat child (task and answer in GenAI semconv attributes)."""
+    tid = trace_id(n)
+    messages = [{"role": "user", "parts": [{"type": "text", "content": f"question {n}"}]}]
+    answer = [{"role": "assistant", "parts": [{"type": "text", "content": f"answer {n}"}]}]
+    chat = Span(
+        trace_id=tid,
+        span_id=f"{n:08x}00000002",
+        parent_span_id=f"{n:08x}00000001",
+        name="chat sim-llm",
+        start_ns=2,
+        end_ns=5,
+        attributes={
+            "gen_ai.operation.name": "chat",
+            "gen_ai.input.messages": json.dumps(messages),
+            "gen_ai.output.messages": json.dumps(answer),
+        },
+    )
+    root = Span(
+        trace_id=tid,
+        span_id=f"{n:08x}00000001",
+        name="invoke_agent",
+        start_ns=1,
+        end_ns=root_end,
+        attributes={"gen_ai.operation.name": "invoke_agent", "combee.prompt.key": key},
+    )
+    return [chat, root]
+
+
+def evaluation(n: int, score: float, label: str) -> LogEvent:
+    attributes = {"gen_ai.evaluation.score.value": score, "gen_ai.evaluation.score.label": label}
+    return LogEvent(
+        trace_id=trace_id(n),
+        event=SpanEvent(name="gen_ai.evaluation.result", time_ns=10, attributes=attributes),
+    )
+
+
+def written(items: list[Written | Rejected]) -> list[Written]:
+    return [i for i in items if isinstance(i, Written)]
+
+
+def test_a_trace_is_written_once_its_root_ended_and_the_gap_passed() -> None:
+    a = Assembler(SETTINGS)
+    chat, root = agent_spans(1)
+    assert a.add_telemetry(Telemetry(spans=[chat]), (T, 0, 0), now=0.0) == []
+    assert a.due(5.0) == [], "no root yet: not complete however long the gap"
+    assert a.committable() == {(T, 0): 0}, "the message feeds an open trace: not done"
+    a.add_telemetry(Telemetry(spans=[root]), (T, 1, 0), now=5.0)
+    assert a.due(5.5) == [], "the gap has not passed since the last span"
+    [out] = a.due(6.0)
+    assert isinstance(out, Written)
+    trace = out.trace
+    assert (trace.key, trace.trace_id, trace.task) == ("support", trace_id(1), "question 1")
+    assert trace.output == "answer 1" and trace.feedback == NO_FEEDBACK
+    assert out.mark == WrittenMark(offsets={f"{T}:0": 0, f"{T}:1": 0})
+    assert a.committable() == {(T, 0): 1, (T, 1): 1} and a.open_traces == 0
+
+
+def test_one_message_with_several_traces_is_done_only_when_all_are() -> None:
+    a = Assembler(SETTINGS)
+    one, two = agent_spans(1), agent_spans(2, root_end=0)  # trace 2's root has not ended
+    a.add_telemetry(Telemetry(spans=[*one, *two]), (T, 0, 7), now=0.0)
+    assert [o.trace.trace_id for o in written(a.due(2.0))] == [trace_id(1)]
+    assert a.committable() == {(T, 0): 7}, "trace 2 still holds offset 7"
+    [timed_out] = a.due(11.0)
+    assert isinstance(timed_out, Rejected) and timed_out.kind == "no_root"
+    assert timed_out.key == "support" and trace_id(2) in timed_out.reason
+    assert a.committable() == {(T, 0): 8}
+
+
+def test_feedback_before_with_and_after_the_spans() -> None:
+    settings = msgspec.structs.replace(SETTINGS, feedback_wait_s=3.0)
+    a = Assembler(settings)
+    # Before: a FeedbackRecord for trace 1 arrives before any of its spans.
+    record = FeedbackRecord(
+        key="support", trace_id=trace_id(1), feedback=Feedback(score=1.0, ground_truth="42")
+    )
+    a.add_feedback(record, ("combee.feedback", 0, 0), now=0.0)
+    a.add_telemetry(Telemetry(spans=agent_spans(1)), (T, 0, 0), now=0.5)
+    # With: trace 2's evaluation comes as a log event in the same message as its spans.
+    a.add_telemetry(
+        Telemetry(spans=agent_spans(2), logs=[evaluation(2, 0.0, "fail")]), (T, 0, 1), now=0.5
+    )
+    # After: trace 3 is complete first, its evaluation comes within the wait.
+    a.add_telemetry(Telemetry(spans=agent_spans(3)), (T, 0, 2), now=0.5)
+    done = {o.trace.trace_id: o for o in written(a.due(1.5))}
+    assert set(done) == {trace_id(1), trace_id(2)}, "trace 3 waits for its feedback"
+    assert done[trace_id(1)].trace.feedback == Feedback(score=1.0, ground_truth="42")
+    assert done[trace_id(2)].trace.feedback.passed is False
+    a.add_telemetry(Telemetry(logs=[evaluation(3, 1.0, "pass")]), ("otlp_logs", 0, 0), now=2.0)
+    [late] = written(a.due(2.5))
+    assert late.trace.feedback.passed is True and late.feedback_items == 1
+    # Feedback for a trace already written is dead-lettered, never joined (learned once).
+    again = FeedbackRecord(key="support", trace_id=trace_id(3), feedback=Feedback(passed=False))
+    [rejected] = a.add_feedback(again, ("combee.feedback", 0, 1), now=3.0)
+    assert rejected.kind == "late_feedback" and "already written" in rejected.reason
+
+
+def test_a_trace_without_feedback_is_learned_or_dead_lettered_as_configured() -> None:
+    for learn, expected in ((True, Written), (False, Rejected)):
+        settings = msgspec.structs.replace(
+            SETTINGS, feedback_wait_s=2.0, learn_without_feedback=learn
+        )
+        a = Assembler(settings)
+        a.add_telemetry(Telemetry(spans=agent_spans(1)), (T, 0, 0), now=0.0)
+        assert a.due(2.0) == [], "complete at 1.0, waits for feedback until 3.0"
+        [out] = a.due(3.0)
+        assert isinstance(out, expected)
+        if isinstance(out, Rejected):
+            assert out.kind == "no_feedback"
+
+
+def test_orphan_feedback_and_span_floods_are_rejected_with_what_was_held() -> None:
+    a = Assembler(SETTINGS)
+    a.add_telemetry(Telemetry(logs=[evaluation(9, 1.0, "pass")]), ("otlp_logs", 0, 0), now=0.0)
+    [orphan] = a.due(10.0)
+    assert isinstance(orphan, Rejected) and orphan.kind == "orphan_feedback"
+    assert json.loads(orphan.payload)["logs"], "the evaluation is in the dead letter"
+    chat, root = agent_spans(4)
+    flood = [msgspec.structs.replace(chat, span_id=f"{i:016x}", name=f"chat {i}") for i in range(6)]
+    [rejected] = a.add_telemetry(Telemetry(spans=flood), (T, 0, 0), now=11.0)
+    assert rejected.kind == "span_flood" and len(json.loads(rejected.payload)["spans"]) == 6
+    [late] = a.add_telemetry(Telemetry(spans=[root]), (T, 0, 1), now=11.5)
+    assert late.kind == "late_span" and "dead-lettered (span_flood)" in late.reason
+    assert a.open_traces == 0 and a.committable() == {("otlp_logs", 0): 1, (T, 0): 2}
+
+
+def test_spans_read_again_after_a_restart_are_not_written_twice() -> None:
+    a = Assembler(SETTINGS)
+    spans = agent_spans(1)
+    a.add_telemetry(Telemetry(spans=[spans[0]]), (T, 0, 3), now=0.0)
+    a.add_telemetry(Telemetry(spans=[spans[1]]), (T, 0, 4), now=0.0)
+    [first] = written(a.due(2.0))
+    # A crash before offsets 3 and 4 were committed: the next run restores the mark and reads
+    # both messages again, plus a new trace in message 5.
+    b = Assembler(SETTINGS)
+    b.restore(trace_id(1), first.mark)
+    b.start_at(T, 0, 3)
+    for offset, telemetry in (
+        (3, Telemetry(spans=[spans[0]])),
+        (4, Telemetry(spans=[spans[1]])),
+        (5, Telemetry(spans=agent_spans(2))),
+    ):
+        assert b.add_telemetry(telemetry, (T, 0, offset), now=0.0) == []
+    assert [o.trace.trace_id for o in written(b.due(2.0))] == [trace_id(2)]
+    assert b.committable() == {(T, 0): 6}
+    assert b.settled({(T, 0): 6}) == [trace_id(1), trace_id(2)], "marks no read-again reaches"
+
+
+@pytest.mark.parametrize(
+    ("items", "expected"),
+    [
+        ([Feedback(score=1.0), Feedback(score=0.0)], Feedback(score=0.5)),
+        ([Feedback(passed=True), Feedback(passed=False)], Feedback(passed=False)),
+        (
+            [Feedback(ground_truth="a", text="x"), Feedback(ground_truth="b", text="y")],
+            Feedback(ground_truth="b", text="x\ny"),
+        ),
+    ],
+)
+def test_feedback_items_combine_as_documented(items: list[Feedback], expected: Feedback) -> None:
+    from combee_stream.ingest import combine_feedback
+
+    assert combine_feedback(items) == expected
+
+
+def test_catching_up_a_backlog_a_trace_waits_for_the_partitions_behind_it() -> None:
+    """Spans sent together are read seconds apart when one partition lags: the gap counts in
+    record time too, so the trace is not cut short while a partition is behind its spans."""
+    a = Assembler(SETTINGS)
+    chat, root = agent_spans(1)
+    a.add_telemetry(Telemetry(spans=[root, chat]), (T, 0, 0), now=0.0, timestamp=100.0)
+    assert a.due(5.0, watermark=100.5) == [], "a lagging partition is at record time 100.5"
+    [out] = a.due(5.0, watermark=101.0)
+    assert isinstance(out, Written)
