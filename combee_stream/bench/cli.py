@@ -17,28 +17,30 @@ from typing import Any
 import anyio
 import msgspec
 
-from combee_stream.bench import latency, overhead, plots, quality, saturation, scaling
+from combee_stream.bench import ingest, latency, overhead, plots, quality, saturation, scaling
 from combee_stream.bench.report import describe_latency
 from combee_stream.bench.vclock import VirtualClockLoop
 from combee_stream.config import Config
 from combee_stream.errors import UserError
 from combee_stream.logs import configure_logging
 
-SUITES = ("scaling", "saturation", "overhead", "latency", "quality")
+SUITES = ("scaling", "saturation", "overhead", "latency", "ingest", "quality")
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="benchmarks: scaling, saturation, overhead, latency (simulated LLM); quality "
-        "(a real model)",
+        help="benchmarks: scaling, saturation, overhead, latency (simulated LLM); ingest (no "
+        "LLM); quality (a real model)",
         description=(
             "scaling, saturation, overhead and latency run against the project's SIMULATED LLM "
             "(never a real model): sequential vs naive vs combee over batch sizes; engine "
             "throughput vs the endpoint's bound C/(L*calls per trace); engine vs a bare Kafka "
             "consumer, and peak memory under a backlog; trace-to-publish latency, pipelined vs "
-            "synchronous windows. quality runs a REAL model (--local MODEL starts one here, or "
-            "the config's LLM roles): held-out accuracy of the agent with the base prompt and "
+            "synchronous windows. ingest (no LLM): the OpenTelemetry ingest stage vs a bare "
+            "consumer of the spans topic, and its memory with many traces open. quality runs a "
+            "REAL model (--local MODEL starts one here, or the config's LLM roles): held-out "
+            "accuracy of the agent with the base prompt and "
             "with each strategy's learned playbook."
         ),
     )
@@ -130,6 +132,9 @@ def run_suite(
         la = anyio.run(latency.run_latency, config, ls)
         subtitle = f"Latency: {describe_latency(la.latency_model)}."
         return Outcome(la, latency.markdown(la), subtitle, plots.latency_plots)
+    if suite == "ingest":
+        ing = anyio.run(ingest.run_ingest, config, ingest.ingest_settings(quick=quick, seed=seed))
+        return Outcome(ing, ingest.markdown(ing), "", lambda *_: [])
     if suite == "quality":
         assert args is not None
         qr = anyio.run(_quality, config, args, quick)
