@@ -160,3 +160,19 @@ async def test_overhead_quick(config: Config) -> None:
         assert report.engine_vs_bare[str(backlog)] == pytest.approx(
             rows["engine"].traces_per_s / rows["bare consumer"].traces_per_s
         )
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_ingest_quick(config: Config) -> None:
+    """Every synthetic trace is written by the stage, and the open ones are all held."""
+    from combee_stream.bench.ingest import SPANS_PER_TRACE, IngestSettings, markdown, run_ingest
+
+    settings = IngestSettings(traces=300, open_traces=200)
+    report = await run_ingest(config, settings)
+    assert report.open_traces == 200 and all(t.met for t in report.targets)
+    assert report.ingest_traces_per_s == pytest.approx(300 / report.ingest_wall_s)
+    assert report.ingest_spans_per_s == pytest.approx(report.ingest_traces_per_s * SPANS_PER_TRACE)
+    assert report.ratio == pytest.approx(report.ingest_spans_per_s / report.bare_spans_per_s)
+    assert report.rss_open_mb > 0 and report.bytes_per_open_trace > 0
+    assert "No LLM" in markdown(report)
