@@ -21,13 +21,14 @@ from typing import Any
 
 import anyio
 import msgspec
+import otel_agent
 import otel_support
 import pytest
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from engine_support import REPO, engine_config, env_for, kill, wait_until_learned
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-from opentelemetry.sdk.trace.export import SpanExportResult
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from otel_agent import AgentRun, encode, per_trace_slices, run_agent
 from otel_support import run_collector
 
@@ -396,3 +397,49 @@ async def test_through_the_real_collector_agents_get_a_new_prompt_version(
     newest = max(updates, key=lambda u: u.version)
     assert newest.version >= 1 and newest.stats.traces_learned == len(runs)
     assert any(s.bullets for s in newest.playbook.sections), "the lessons reached the prompt"
+
+
+@pytest.mark.anyio
+async def test_a_pydantic_ai_agent_is_learned_from_with_only_the_span_processor(
+    config: Config, unique: str
+) -> None:
+    """A real agent framework from PyPI (Pydantic AI, which writes the GenAI conventions
+    itself), with nothing of combee-stream but PromptSpanProcessor: its spans become a trace
+    with its key, version, task and output."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from pydantic_ai import Agent
+    from pydantic_ai.models.instrumented import InstrumentationSettings
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    from combee_stream.otel import PromptSpanProcessor
+    from combee_stream.sim.app import CHAT_MODEL
+
+    task = sim_tasks(1, keys=1, lessons=1, seed=SEED)[0]
+    async with sim_server(SimSettings(seed=SEED)) as sim:
+        cfg = ingest_config(engine_config(config, unique, sim.base_url), unique)
+        collector = otel_agent.SpanCollector()
+        provider = TracerProvider()
+        provider.add_span_processor(PromptSpanProcessor("pai-bot", 4))
+        provider.add_span_processor(SimpleSpanProcessor(collector))
+        model = OpenAIChatModel(
+            CHAT_MODEL, provider=OpenAIProvider(base_url=sim.base_url, api_key="sim")
+        )
+        agent = Agent(model, name="pai-bot", system_prompt="You answer support questions.")
+        agent.instrument = InstrumentationSettings(tracer_provider=provider)
+        # The simulator's agent role reads its question from a <question> block.
+        result = await agent.run(otel_agent.question(task.question))
+        provider.shutdown()
+        stage = IngestStage(cfg)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stage.run)
+            await stage.started.wait()
+            await send_records(
+                cfg, cfg.ingest.spans_topic, [(None, encode(collector.spans, "otlp_proto"), 0)]
+            )
+            [trace] = await wait_for_traces(cfg, 1)
+            stage.stop()
+    assert (trace.key, trace.prompt_version) == ("pai-bot", 4)
+    assert task.question in trace.task and "You answer support" not in trace.task
+    assert trace.output == result.output and trace.metadata["agent"] == "pai-bot"
+    assert [s.kind for s in trace.steps] == ["message"], trace.steps
