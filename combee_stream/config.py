@@ -10,6 +10,7 @@ A bad file or override fails fast with ``ConfigError`` naming the file, the fiel
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -157,6 +158,11 @@ class LearningConfig(_Section):
     # A proposed bullet longer than this is refused (skipped as too_long): a lesson is a rule,
     # not a document, and one trace must not fill the prompt of every agent of its key.
     max_bullet_chars: Positive = 2000
+    # Patterns (Python regular expressions, matched case-insensitively) that no bullet may
+    # contain: a proposed ADD or UPDATE that matches one is refused (skipped as "policy").
+    # Traces are untrusted and bullets reach every agent of the key. Off by default; the
+    # README gives a starting set (links, e-mail addresses, instructions to ignore rules).
+    content_policy: list[str] = []
     # Tries of a trace's reflection, and of a window's curation, before their traces are parked
     # in the DLQ (each try is itself retried by the LLM client, llm.max_attempts). Both drivers.
     max_attempts: Positive = 3
@@ -166,6 +172,13 @@ class LearningConfig(_Section):
     def __post_init__(self) -> None:
         if self.min_batch_size > self.max_batch_size:
             raise ValueError("min_batch_size must be <= max_batch_size")
+        for pattern in self.content_policy:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(
+                    f"content_policy: {pattern!r} is not a regular expression: {exc}"
+                ) from None
 
 
 class EngineConfig(_Section):

@@ -12,6 +12,7 @@ from typing import Any
 import anyio
 
 from combee_stream.config import Config
+from combee_stream.core.playbook import find_bullet
 from combee_stream.core.versions import seed_update
 from combee_stream.errors import DecodeError, UserError
 from combee_stream.kafka.client import start_client
@@ -43,6 +44,13 @@ def register(sub: Any) -> None:
         "--diff", nargs=2, type=int, metavar=("OLD", "NEW"), help="diff two versions' prompts"
     )
     inspect.add_argument("--json", action="store_true", help="print the newest update as JSON")
+    inspect.add_argument(
+        "--why",
+        metavar="BULLET",
+        default=None,
+        help="where a bullet came from: the versions that carry it, its counters, and the trace "
+        "ids of the windows that added or changed it",
+    )
     inspect.set_defaults(handler=_inspect)
 
 
@@ -111,6 +119,8 @@ async def _inspect(args: argparse.Namespace, config: Config) -> int:
     if args.json:
         out.write(json.dumps(json.loads(encode(newest)), indent=2) + "\n")
         return 0
+    if args.why:
+        return _why(args.key, args.why, versions)
     if args.diff:
         old, new = args.diff
         missing = [v for v in (old, new) if v not in by_version]
@@ -138,6 +148,28 @@ async def _inspect(args: argparse.Namespace, config: Config) -> int:
             f"{u.version:>7}  {u.parent_version:>6}  {u.stats.traces_learned:>6}  "
             f"{u.stats.window_traces:>7}  {u.stats.batch_size:>6}  {bullets:>7}  {created}\n"
         )
+    return 0
+
+
+def _why(key: str, bullet_id: str, versions: list[PromptUpdate]) -> int:
+    """A bullet's provenance over the versions still on the topic."""
+    carrying = [(u, b) for u in versions if (b := find_bullet(u.playbook, bullet_id)) is not None]
+    if not carrying:
+        raise UserError(f"no version of {key!r} on the topic carries bullet {bullet_id!r}")
+    out = sys.stdout
+    first, last = carrying[0], carrying[-1]
+    out.write(f"# {key} {bullet_id}: {last[1].content}\n\n")
+    out.write(
+        f"in versions {first[0].version}..{last[0].version} of those on the topic; "
+        f"helpful={last[1].helpful} harmful={last[1].harmful}\n"
+    )
+    out.write("added or last changed by traces: " + (", ".join(last[1].sources) or "-") + "\n")
+    text = None
+    for update, bullet in carrying:
+        if bullet.content != text:
+            change = "text" if text is not None else "first seen"
+            out.write(f"  v{update.version}: {change}: {bullet.content}\n")
+            text = bullet.content
     return 0
 
 

@@ -153,11 +153,15 @@ class Delta(_Record):
     schema: int = SCHEMA_VERSION
 
 
-class Bullet(Struct, forbid_unknown_fields=True):
+class Bullet(Struct, forbid_unknown_fields=True, omit_defaults=True):
     id: NonEmpty
     content: NonEmpty
     helpful: NonNegative = 0
     harmful: NonNegative = 0
+    # Provenance: trace ids (up to five) of the window whose version added the bullet, then of
+    # the windows that changed its text, newest first. The Combee tree merges a window's deltas,
+    # so a bullet is attributed to its window's traces, not to one. Never rendered.
+    sources: list[str] = []
 
 
 class Section(Struct, forbid_unknown_fields=True):

@@ -17,6 +17,8 @@ is counted by reason in the version's stats (``UpdateStats.skipped``):
   task gave: an instance, not a lesson.
 - ``too_long``: longer than ``learning.max_bullet_chars`` (a lesson is a rule, not a document:
   one trace must not fill the prompt of every agent of its key).
+- ``policy``: it matches a pattern of ``learning.content_policy`` (links, e-mail addresses,
+  instructions to ignore rules...: a trace is untrusted, a bullet reaches every agent).
 - ``no_lesson``: fewer than ``MIN_WORDS`` content words, or only words of generic advice
   (``GENERIC``: "always double-check the formula and the conventions" teaches nothing a model
   did not already try to do).
@@ -65,8 +67,21 @@ def _numbers(text: str) -> set[str]:
     return {m.replace(",", "") for m in _BIG_NUMBER.findall(text)}
 
 
+def compile_policy(patterns: Sequence[str]) -> list[re.Pattern[str]]:
+    return [re.compile(p, re.IGNORECASE) for p in patterns]
+
+
+def violates(text: str, policy: Sequence[re.Pattern[str]]) -> bool:
+    return any(pattern.search(text) for pattern in policy)
+
+
 def review_adds(
-    playbook: Playbook, delta: Delta, tasks: Sequence[str], *, max_chars: int = 2000
+    playbook: Playbook,
+    delta: Delta,
+    tasks: Sequence[str],
+    *,
+    max_chars: int = 2000,
+    policy: Sequence[re.Pattern[str]] = (),
 ) -> dict[int, SkipReason]:
     """Index (among the delta's ADDs) -> why it is rejected, for the ADDs that are."""
     adds = [op for op in delta.operations if isinstance(op, AddOp)]
@@ -79,6 +94,9 @@ def review_adds(
     for i, add in enumerate(adds):
         if len(add.content) > max_chars:
             rejected[i] = "too_long"
+            continue
+        if violates(add.content, policy):
+            rejected[i] = "policy"
             continue
         norm = normalize(add.content)
         words = content_words(add.content)
@@ -109,7 +127,9 @@ __all__ = [
     "MIN_WORDS",
     "NEAR_DUPLICATE_WORDS",
     "RESTATED",
+    "compile_policy",
     "content_words",
     "near_duplicates",
     "review_adds",
+    "violates",
 ]

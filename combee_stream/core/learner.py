@@ -59,7 +59,7 @@ from msgspec import Struct
 from combee_stream.config import Config, LearningConfig
 from combee_stream.core.delta import empty, merge, rebase
 from combee_stream.core.gate import AcceptAll, Candidate, PublishGate
-from combee_stream.core.hygiene import review_adds
+from combee_stream.core.hygiene import compile_policy, review_adds, violates
 from combee_stream.core.llm import ChatMessage, Completion, LLMCallError, LLMClient, Role
 from combee_stream.core.outputs import CuratorOutput, ReflectorOutput, ReflectorOutputNoTags
 from combee_stream.core.playbook import (
@@ -226,6 +226,7 @@ class Learner:
         self._llm = llm
         self._max_update_bytes = max_update_bytes
         self._config = learning
+        self._policy = compile_policy(learning.content_policy)
         self._embed = embed
         self._threshold = dedup_threshold
         self._gate: PublishGate = gate or AcceptAll()
@@ -499,19 +500,21 @@ class Learner:
         )
 
     async def _apply(self, snapshot: Playbook, delta: Delta, tasks: Sequence[str]) -> ApplyResult:
-        limit = self._config.max_bullet_chars
-        rejected = review_adds(snapshot, delta, tasks, max_chars=limit)
-        long_updates = [
-            op for op in delta.operations if isinstance(op, UpdateOp) and len(op.content) > limit
-        ]
-        if long_updates:
-            kept = [op for op in delta.operations if op not in long_updates]
+        limit, policy = self._config.max_bullet_chars, self._policy
+        rejected = review_adds(snapshot, delta, tasks, max_chars=limit, policy=policy)
+        refused: list[SkippedOp] = []
+        for op in delta.operations:
+            if isinstance(op, UpdateOp):
+                if len(op.content) > limit:
+                    refused.append(SkippedOp(op=op, reason="too_long"))
+                elif violates(op.content, policy):
+                    refused.append(SkippedOp(op=op, reason="policy"))
+        if refused:
+            drop = [r.op for r in refused]
+            kept = [op for op in delta.operations if op not in drop]
             delta = msgspec.structs.replace(delta, operations=kept)
         result = await self._apply_reviewed(snapshot, delta, rejected)
-        result.skipped = [
-            *result.skipped,
-            *(SkippedOp(op=op, reason="too_long") for op in long_updates),
-        ]
+        result.skipped = [*result.skipped, *refused]
         return result
 
     async def _apply_reviewed(

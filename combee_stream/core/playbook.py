@@ -85,7 +85,11 @@ SkipReason = Literal[
     "restates_task",
     "no_lesson",
     "too_long",
+    "policy",
 ]
+
+# Provenance kept per bullet: the newest this many trace ids (bounded, like the update's size).
+MAX_BULLET_SOURCES: Final = 5
 
 
 class SkippedOp(Struct, frozen=True, forbid_unknown_fields=True):
@@ -222,7 +226,13 @@ def copy_playbook(playbook: Playbook) -> Playbook:
             Section(
                 name=s.name,
                 bullets=[
-                    Bullet(id=b.id, content=b.content, helpful=b.helpful, harmful=b.harmful)
+                    Bullet(
+                        id=b.id,
+                        content=b.content,
+                        helpful=b.helpful,
+                        harmful=b.harmful,
+                        sources=list(b.sources),
+                    )
                     for b in s.bullets
                 ],
             )
@@ -336,6 +346,7 @@ def apply(
             target.harmful += 1
         tagged += 1
 
+    provenance = list(dict.fromkeys(src.trace_id for src in delta.sources))[-MAX_BULLET_SOURCES:]
     adds = [op for op in delta.operations if isinstance(op, AddOp)]
     near: Mapping[int, SkipReason] = (
         skip_adds if isinstance(skip_adds, Mapping) else dict.fromkeys(skip_adds, "near_duplicate")
@@ -349,7 +360,11 @@ def apply(
             skipped.append(SkippedOp(op=add, reason="duplicate"))
             continue
         section = _target_section(out, add.section)
-        bullet = Bullet(id=f"{section_slug(section.name)}-{out.next_id:05d}", content=add.content)
+        bullet = Bullet(
+            id=f"{section_slug(section.name)}-{out.next_id:05d}",
+            content=add.content,
+            sources=provenance,
+        )
         out.next_id += 1
         section.bullets.append(bullet)
         by_id[bullet.id] = bullet
@@ -374,6 +389,10 @@ def apply(
         contents.discard(old)
         contents.add(new)
         target.content = update.content
+        if new != old:
+            target.sources = list(dict.fromkeys([*provenance, *target.sources]))[
+                :MAX_BULLET_SOURCES
+            ]
         updated.append(target.id)
 
     for remove in (op for op in delta.operations if isinstance(op, RemoveOp)):
