@@ -39,6 +39,11 @@ class KafkaConfig(_Section):
     traces_topic: str = "combee.traces"
     prompts_topic: str = "combee.prompts"
     dlq_topic: str = "combee.dlq"
+    # Every version of every key (for a retention), its labels and their moves; compacted and
+    # co-partitioned with the prompts topic (written by the engine in the same transaction).
+    history_topic: str = "combee.history"
+    # Versions kept per key in the history topic (older ones are deleted by compaction).
+    history_versions: Positive = 50
     # Outcomes sent after the run (FeedbackRecord, keyed by trace id); joined by the ingest stage.
     feedback_topic: str = "combee.feedback"
     partitions: Positive = 3

@@ -75,6 +75,7 @@ async def _fresh_kafka(config: Config) -> Config:
         bootstrap_servers=bootstrap,
         traces_topic=f"{run}.traces",
         prompts_topic=f"{run}.prompts",
+        history_topic=f"{run}.history",
         dlq_topic=f"{run}.dlq",
         group_id=run,
     )

@@ -1,11 +1,14 @@
 """Operator commands on a key's prompt versions: ``prompts set`` (start or re-seed a key from
-your own system prompt) and ``inspect`` (the newest prompt, the versions on the topic, diffs)."""
+your own system prompt), ``prompts promote|rollback|pin|labels`` (move and show labels, every
+move audited) and ``inspect`` (the newest prompt, the versions on the topic, labels, diffs, a
+bullet's provenance)."""
 
 from __future__ import annotations
 
 import argparse
 import difflib
 import json
+import os
 import sys
 from typing import Any
 
@@ -16,6 +19,7 @@ from combee_stream.core.playbook import find_bullet
 from combee_stream.core.versions import seed_update
 from combee_stream.errors import DecodeError, UserError
 from combee_stream.kafka.client import start_client
+from combee_stream.kafka.history import PRODUCTION, move_label, read_history
 from combee_stream.kafka.producer import make_producer, publish_update
 from combee_stream.kafka.reader import read_updates
 from combee_stream.kafka.subscriber import PromptSubscriber
@@ -37,6 +41,37 @@ def register(sub: Any) -> None:
         "keeping the learned bullets",
     )
     seed.set_defaults(handler=_prompts_set)
+
+    who = argparse.ArgumentParser(add_help=False)
+    who.add_argument("--why", default="", help="the reason, kept in the audit record")
+    who.add_argument(
+        "--by", default=None, help="who moves it (default: $USER), kept in the audit record"
+    )
+    promote = prompts_sub.add_parser(
+        "promote",
+        parents=[who],
+        help="point production at a version (default: make it follow the newest again)",
+    )
+    promote.add_argument("key")
+    promote.add_argument("--version", type=int, default=None)
+    promote.add_argument("--label", default="production", help="the label to move")
+    promote.set_defaults(handler=_promote)
+    rollback = prompts_sub.add_parser(
+        "rollback",
+        parents=[who],
+        help="move production back to the version it pointed at before (or --version V)",
+    )
+    rollback.add_argument("key")
+    rollback.add_argument("--version", type=int, default=None)
+    rollback.set_defaults(handler=_rollback)
+    pin = prompts_sub.add_parser("pin", parents=[who], help="point a label at a version")
+    pin.add_argument("key")
+    pin.add_argument("label")
+    pin.add_argument("version", type=int)
+    pin.set_defaults(handler=_pin)
+    labels = prompts_sub.add_parser("labels", help="a key's labels and every move of them")
+    labels.add_argument("key")
+    labels.set_defaults(handler=_labels)
 
     inspect = sub.add_parser("inspect", help="show a key's playbook, versions and a diff")
     inspect.add_argument("key")
@@ -80,7 +115,7 @@ async def seed_prompt(config: Config, key: str, text: str, *, force: bool = Fals
     producer = make_producer(config.kafka)
     await start_client(producer, config.kafka)
     try:
-        await publish_update(producer, config.kafka.prompts_topic, update)
+        await publish_update(producer, config.kafka, update)
     finally:
         await producer.stop()
     return update
@@ -139,6 +174,17 @@ async def _inspect(args: argparse.Namespace, config: Config) -> int:
         out.write("\n".join(diff) + "\n")
         return 0
     out.write(f"# {args.key} — version {newest.version}\n\n")
+    try:
+        history = await read_history(config.kafka, args.key)
+    except UserError:  # no history topic (created before it existed): no labels to show
+        history = None
+    if history is not None and history.moves:
+        last = history.moves[-1]
+        out.write(
+            f"production serves version {history.resolve(PRODUCTION)} (moved {len(history.moves)}"
+            f" time(s); last: {last.label} {last.from_version} -> {last.to_version} by {last.by}"
+            f"{': ' + last.why if last.why else ''}; see `prompts labels`)\n\n"
+        )
     out.write(newest.prompt.rstrip() + "\n\n## versions on the topic\n\n")
     out.write("version  parent  traces  learned  window  bullets  created\n")
     for u in versions:
@@ -147,6 +193,57 @@ async def _inspect(args: argparse.Namespace, config: Config) -> int:
         out.write(
             f"{u.version:>7}  {u.parent_version:>6}  {u.stats.traces_learned:>6}  "
             f"{u.stats.window_traces:>7}  {u.stats.batch_size:>6}  {bullets:>7}  {created}\n"
+        )
+    return 0
+
+
+def _by(args: argparse.Namespace) -> str:
+    return args.by or os.environ.get("USER") or "unknown"
+
+
+async def _move(args: argparse.Namespace, config: Config, label: str, version: int | None,
+                *, rollback: bool = False) -> int:  # fmt: skip
+    move = await move_label(
+        config.kafka, args.key, label, version, by=_by(args), why=args.why, rollback=rollback
+    )
+    where = "the newest version" if move.to_version is None else f"version {move.to_version}"
+    print(f"{args.key}: {label} -> {where} (was {move.from_version}; move {move.seq})")
+    return 0
+
+
+async def _promote(args: argparse.Namespace, config: Config) -> int:
+    return await _move(args, config, args.label, args.version)
+
+
+async def _rollback(args: argparse.Namespace, config: Config) -> int:
+    if args.version is not None:
+        return await _move(args, config, PRODUCTION, args.version)
+    return await _move(args, config, PRODUCTION, None, rollback=True)
+
+
+async def _pin(args: argparse.Namespace, config: Config) -> int:
+    return await _move(args, config, args.label, args.version)
+
+
+async def _labels(args: argparse.Namespace, config: Config) -> int:
+    history = await read_history(config.kafka, args.key)
+    if history.newest is None:
+        raise UserError(f"key {args.key!r} has no version on {config.kafka.history_topic}")
+    out = sys.stdout
+    labels = history.labels
+    production = "latest" if labels.production is None else str(labels.production)
+    out.write(f"# {args.key}: versions {min(history.versions)}..{history.newest} kept\n")
+    out.write(f"latest      {history.newest}\n")
+    out.write(f"production  {history.resolve(PRODUCTION)}  (follows: {production})\n")
+    for name, version in sorted(labels.labels.items()):
+        out.write(f"{name:<11} {version}\n")
+    out.write("\n## moves\n\n")
+    for m in history.moves:
+        at = m.at.isoformat(timespec="seconds") if m.at else "-"
+        out.write(
+            f"{m.seq:>4}  {at}  {m.label}: {m.from_version} -> "
+            f"{'latest' if m.to_version is None else m.to_version}  by {m.by}"
+            f"{'  why: ' + m.why if m.why else ''}\n"
         )
     return 0
 

@@ -266,6 +266,33 @@ class PromptUpdate(_Record):
     schema: int = SCHEMA_VERSION
 
 
+class Labels(_Record):
+    """A key's movable labels (the history topic's ``KEY#labels`` record). ``production`` is
+    what agents get by default: None means it follows the newest version (``latest``); a
+    number pins it (after a rollback, or a promotion of one version)."""
+
+    key: Key
+    production: int | None = None
+    labels: dict[str, int] = {}  # other labels (candidate, canary, an operator's own)
+    previous: list[int | None] = []  # production's earlier targets, newest last (rollback)
+    seq: NonNegative = 0  # moves so far
+    schema: int = SCHEMA_VERSION
+
+
+class LabelMove(_Record):
+    """One label move, kept for audit (the history topic's ``KEY#move#SEQ`` records)."""
+
+    key: Key
+    seq: NonNegative
+    label: NonEmpty
+    from_version: int | None  # the version it pointed at (None: the label did not exist)
+    to_version: int | None  # None: production follows latest again; another label is removed
+    by: str
+    why: str = ""
+    at: dt.datetime | None = None
+    schema: int = SCHEMA_VERSION
+
+
 # --------------------------------------------------------------------------- codecs
 
 T = TypeVar("T")

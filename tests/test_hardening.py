@@ -312,7 +312,7 @@ async def test_a_fork_is_reported_and_the_first_version_stands(config: Config, u
     await producer.start()
     try:
         for update in (first, first, other):  # a retried send is no fork; the third one is
-            await publish_update(producer, cfg.kafka.prompts_topic, update)
+            await publish_update(producer, cfg.kafka, update)
     finally:
         await producer.stop()
     async with PromptSubscriber(cfg.kafka, keys={"bot"}) as prompts:

@@ -62,6 +62,7 @@ def kafka_cfg(config: Config, unique: str, **overrides: object) -> KafkaConfig:
     fields = {
         "traces_topic": f"t.traces.{unique}",
         "prompts_topic": f"t.prompts.{unique}",
+        "history_topic": f"t.history.{unique}",
         "dlq_topic": f"t.dlq.{unique}",
         "group_id": f"g.{unique}",
         "partitions": 3,
@@ -285,9 +286,9 @@ async def test_prompts_topic_is_really_compacted(config: Config, unique: str) ->
     try:
         for version in range(1, 6):
             for key in ("a", "b", "c"):
-                await publish_update(producer, cfg.prompts_topic, make_update(key, version))
+                await publish_update(producer, cfg, make_update(key, version))
         await anyio.sleep(0.5)  # > segment.ms, so the next append rolls the segment
-        await publish_update(producer, cfg.prompts_topic, make_update("roll", 1))
+        await publish_update(producer, cfg, make_update("roll", 1))
     finally:
         await producer.stop()
 
@@ -314,13 +315,13 @@ async def test_subscriber_catches_up_follows_and_ignores_stale(config: Config, u
     await producer.start()
     try:
         for version in (1, 2, 3):
-            await publish_update(producer, cfg.prompts_topic, make_update("a", version))
-        await publish_update(producer, cfg.prompts_topic, make_update("b", 1))
+            await publish_update(producer, cfg, make_update("a", version))
+        await publish_update(producer, cfg, make_update("b", 1))
         async with PromptSubscriber(cfg) as prompts:
             assert {k: u.version for k, u in prompts.snapshot().items()} == {"a": 3, "b": 1}
-            await publish_update(producer, cfg.prompts_topic, make_update("a", 2))  # stale
-            await publish_update(producer, cfg.prompts_topic, make_update("a", 4))
-            await publish_update(producer, cfg.prompts_topic, make_update("b", 2))
+            await publish_update(producer, cfg, make_update("a", 2))  # stale
+            await publish_update(producer, cfg, make_update("a", 4))
+            await publish_update(producer, cfg, make_update("b", 2))
             live: list[tuple[str, int]] = []
             with anyio.fail_after(30):
                 async for update in prompts:
@@ -410,11 +411,12 @@ def test_cli_produce_validates_and_subscribe_once(
         "COMBEE__KAFKA__BOOTSTRAP_SERVERS": cfg.bootstrap_servers,
         "COMBEE__KAFKA__TRACES_TOPIC": cfg.traces_topic,
         "COMBEE__KAFKA__PROMPTS_TOPIC": cfg.prompts_topic,
+        "COMBEE__KAFKA__HISTORY_TOPIC": cfg.history_topic,
         "COMBEE__KAFKA__DLQ_TOPIC": cfg.dlq_topic,
     }
     created = run_cli("topics", "create", env_extra=env)
     assert created.returncode == 0, created.stderr
-    assert created.stdout.count(": created") == 3
+    assert created.stdout.count(": created") == 4
 
     good = tmp_path / "good.jsonl"
     good.write_text("\n".join(encode(make_trace("k1", i)).decode() for i in range(3)) + "\n")

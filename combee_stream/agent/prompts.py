@@ -61,9 +61,11 @@ class PromptClient:
         fallback: str = "",
         connect_timeout_s: float = 15.0,
         env: Mapping[str, str] | None = None,
+        label: str = "production",
     ) -> None:
         self._kafka = kafka
         self.key = key
+        self.label = label  # which version to serve: production (default), latest, candidate...
         self._snapshot = Path(snapshot) if snapshot is not None else None
         self._fallback = Prompt(
             key=key, text=fallback, version=-1, bullet_ids=[], source="fallback"
@@ -120,7 +122,13 @@ class PromptClient:
     def _accept(self, update: PromptUpdate) -> None:
         if update.key != self.key:
             return
-        if self._current.source != "fallback" and update.version < self._current.version:
+        # The subscriber yields the labelled version each time it changes (a rollback goes
+        # down); "latest" never goes down.
+        if (
+            self.label == "latest"
+            and self._current.source != "fallback"
+            and update.version < self._current.version
+        ):
             return
         self._current = prompt_of(update, "broker")
         self._write_snapshot(update)
@@ -131,7 +139,9 @@ class PromptClient:
         attempt = 0
         while True:
             try:
-                async with PromptSubscriber(self._kafka, keys={self.key}, env=self._env) as sub:
+                async with PromptSubscriber(
+                    self._kafka, keys={self.key}, env=self._env, label=self.label
+                ) as sub:
                     self.connected = True
                     attempt = 0
                     latest = sub.latest(self.key)

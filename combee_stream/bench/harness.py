@@ -49,6 +49,7 @@ def fresh_topics(config: Config, suite: str, partitions: int = 3) -> Config:
         config.kafka,
         traces_topic=f"{run}.traces",
         prompts_topic=f"{run}.prompts",
+        history_topic=f"{run}.history",
         dlq_topic=f"{run}.dlq",
         group_id=f"{run}.group",
         partitions=partitions,

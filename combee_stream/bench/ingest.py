@@ -199,6 +199,7 @@ def _stage_config(config: Config, run: str, spans_topic: str, **ingest: object) 
         config.kafka,
         traces_topic=f"{run}.traces",
         prompts_topic=f"{run}.prompts",
+        history_topic=f"{run}.history",
         dlq_topic=f"{run}.dlq",
         feedback_topic=f"{run}.feedback",
     )

@@ -38,8 +38,16 @@ def register(sub: Any) -> None:
     subscribe = sub.add_parser("subscribe", help="print prompt updates as JSON lines")
     subscribe.add_argument("--key", action="append", help="only this key (repeatable)")
     subscribe.add_argument(
-        "--once", action="store_true", help="print the current latest version per key, then exit"
+        "--once", action="store_true", help="print the current version per key, then exit"
     )
+    which = subscribe.add_mutually_exclusive_group()
+    which.add_argument(
+        "--label",
+        default=None,
+        help="the version a label points at (production, latest, candidate, ...; default: "
+        "the newest)",
+    )
+    which.add_argument("--version", type=int, default=None, help="a pinned version")
     subscribe.set_defaults(handler=_subscribe)
 
     dlq = sub.add_parser("dlq", help="the dead-letter topic")
@@ -111,8 +119,11 @@ def _raw_key(line: str) -> str | None:
 async def _subscribe(args: argparse.Namespace, config: Config) -> int:
     keys = set(args.key) if args.key else None
     out = sys.stdout
-    async with PromptSubscriber(config.kafka, keys=keys) as prompts:
-        for update in sorted(prompts.snapshot().values(), key=lambda u: u.key):
+    async with PromptSubscriber(
+        config.kafka, keys=keys, label=args.label, version=args.version
+    ) as prompts:
+        served = (prompts.latest(k) for k in sorted(prompts.snapshot()))
+        for update in (u for u in served if u is not None):
             out.write(encode(update).decode() + "\n")
         out.flush()
         if args.once:

@@ -10,6 +10,7 @@ from aiokafka import AIOKafkaProducer
 
 from combee_stream.config import KafkaConfig
 from combee_stream.kafka.client import client_kwargs, start_client
+from combee_stream.kafka.history import history_records
 from combee_stream.schemas import FeedbackRecord, PromptUpdate, Trace, encode
 
 
@@ -76,10 +77,17 @@ class TraceProducer:
 
 
 async def publish_update(
-    producer: AIOKafkaProducer, topic: str, update: PromptUpdate
+    producer: AIOKafkaProducer, cfg: KafkaConfig, update: PromptUpdate
 ) -> tuple[int, int]:
-    """Publish one prompt version to the compacted prompts topic, keyed by its prompt key."""
-    meta = await producer.send_and_wait(topic, value=encode(update), key=update.key.encode())
+    """Publish one prompt version to the compacted prompts topic, keyed by its prompt key, and
+    to the history topic in the same partition (a transactional ``producer`` makes it atomic)."""
+    meta = await producer.send_and_wait(
+        cfg.prompts_topic, value=encode(update), key=update.key.encode()
+    )
+    for record_key, value in history_records(update, cfg.history_versions):
+        await producer.send_and_wait(
+            cfg.history_topic, value=value, key=record_key, partition=meta.partition
+        )
     return meta.partition, meta.offset
 
 

@@ -13,6 +13,13 @@ and continues from it).
         prompt = prompts.latest("support-bot")
         async for update in prompts:      # newer versions as they are published
             ...
+
+Labels (:mod:`combee_stream.kafka.history`): with ``label="production"`` (what agents should
+ask for; ``PromptClient`` does) or another label, or ``version=N`` (pinned), ``latest(key)`` is
+the version the label points at, read from the history topic when it is not the newest, and
+iterating yields an update whenever the version served changes (a new version while production
+follows latest, a promotion, a rollback). Without either it is the newest version (the engine's
+restore and ``inspect`` read it so).
 """
 
 from __future__ import annotations
@@ -21,9 +28,12 @@ from collections.abc import AsyncIterator, Collection, Mapping
 from types import TracebackType
 from typing import Any, Self
 
+from aiokafka import TopicPartition
+
 from combee_stream.config import KafkaConfig
 from combee_stream.errors import DecodeError
-from combee_stream.kafka.client import start_client
+from combee_stream.kafka.client import partitions_of, start_client
+from combee_stream.kafka.history import KeyHistory, parse, partition_of, resolve
 from combee_stream.kafka.reader import (
     assign_from_start,
     decode_update,
@@ -31,7 +41,7 @@ from combee_stream.kafka.reader import (
     until_end,
 )
 from combee_stream.logs import get_logger
-from combee_stream.schemas import PromptUpdate
+from combee_stream.schemas import Labels, PromptUpdate
 
 log = get_logger(__name__)
 
@@ -45,8 +55,16 @@ class PromptSubscriber:
         partitions: Collection[int] | None = None,
         env: Mapping[str, str] | None = None,
         poll_timeout_ms: int = 500,
+        label: str | None = None,
+        version: int | None = None,
     ) -> None:
+        if label is not None and version is not None:
+            raise ValueError("ask for a label or pin a version, not both")
         self._cfg = cfg
+        self._label = label
+        self._version = version
+        self._history: dict[str, KeyHistory] = {}
+        self._served: dict[str, int] = {}  # key -> version last served (labels / pins)
         self._topic = cfg.prompts_topic
         self._keys = frozenset(keys) if keys is not None else None
         # Only these partitions of the prompts topic (the engine restores the keys of the
@@ -76,17 +94,42 @@ class PromptSubscriber:
     ) -> None:
         await self._consumer.stop()
 
+    @property
+    def _labeled(self) -> bool:
+        return self._label is not None or self._version is not None
+
     async def _catch_up(self) -> None:
+        partitions = self._partitions
+        if partitions is None and self._keys is not None and self._labeled:
+            # Co-partitioned: a key's history is in the partition number of its prompts.
+            partitions = frozenset(partition_of(k, self._cfg.partitions) for k in self._keys)
         tps = await assign_from_start(
             self._consumer,
             self._topic,
-            self._partitions,
+            partitions,
             hint=": run `combee-stream topics create`",
             partitions_hint=": traces and prompts topics must be co-partitioned",
         )
+        if self._labeled and not await partitions_of(self._consumer, self._cfg.history_topic):
+            # A deployment older than the history topic: nothing has labels there yet.
+            log.warning(
+                "no history topic: serving the newest version (run `combee-stream topics "
+                "create` to add it)",
+                topic=self._cfg.history_topic,
+            )
+            self._label = self._version = None
+        if self._labeled:
+            history = [TopicPartition(self._cfg.history_topic, tp.partition) for tp in tps]
+            self._consumer.assign([*tps, *history])
+            await self._consumer.seek_to_beginning(*tps, *history)
+            tps = [*tps, *history]
         async for batch in until_end(self._consumer, tps, self._poll_timeout_ms):
             for record in batch:
                 self._accept(record)
+        for key in self._history.keys() | self._latest.keys():
+            served = self.latest(key)
+            if served is not None:
+                self._served[key] = served.version
 
     async def _poll(self) -> list[PromptUpdate]:
         accepted: list[PromptUpdate] = []
@@ -94,11 +137,20 @@ class PromptSubscriber:
         for records in batches.values():
             for record in records:
                 update = self._accept(record)
-                if update is not None:
+                if update is not None and not self._labeled:
                     accepted.append(update)
+        if self._labeled:
+            for key in self._history.keys() | self._latest.keys():
+                served = self.latest(key)
+                if served is not None and self._served.get(key) != served.version:
+                    self._served[key] = served.version
+                    accepted.append(served)
         return accepted
 
     def _accept(self, record: Any) -> PromptUpdate | None:
+        if record.topic == self._cfg.history_topic:
+            parse(record, self._history, self._keys)
+            return None
         try:
             update = decode_update(record)
         except DecodeError as exc:
@@ -127,8 +179,32 @@ class PromptSubscriber:
         return update
 
     def latest(self, key: str) -> PromptUpdate | None:
-        """The newest version seen for ``key`` (None if the key has none)."""
-        return self._latest.get(key)
+        """The version served for ``key``: the newest, or the one the label or pin names
+        (None if the key has none, or the label points nowhere)."""
+        newest = self._latest.get(key)
+        if not self._labeled:
+            return newest
+        history = self._history.get(key)
+        if self._version is not None:
+            target: int | None = self._version
+        else:
+            assert self._label is not None
+            labels = history.labels if history is not None else Labels(key=key)
+            top = max(
+                [*(history.versions if history else ()), *([newest.version] if newest else [])],
+                default=None,
+            )
+            target = resolve(labels, self._label, top)
+        if target is None:
+            return None
+        if newest is not None and newest.version == target:
+            return newest
+        return history.versions.get(target) if history is not None else None
+
+    def labels(self, key: str) -> Labels:
+        """The key's labels as last read (only with ``label`` or ``version``)."""
+        history = self._history.get(key)
+        return history.labels if history is not None else Labels(key=key)
 
     def snapshot(self) -> dict[str, PromptUpdate]:
         return dict(self._latest)

@@ -1,4 +1,4 @@
-"""Create and check the engine's three topics (and the ingest stage's: its inputs and its state).
+"""Create and check the engine's topics (and the ingest stage's: its inputs and its state).
 
 Traces and prompts are co-partitioned: the same partition count and the same key hashing (every
 producer in this package uses aiokafka's default murmur2 partitioner, the Java client's), so a
@@ -44,6 +44,8 @@ def topic_specs(cfg: KafkaConfig) -> list[TopicSpec]:
     return [
         TopicSpec(cfg.traces_topic, cfg.partitions, {}),
         TopicSpec(cfg.prompts_topic, cfg.partitions, prompts_configs),
+        # Versions, labels and label moves (kafka/history.py): compacted like the prompts.
+        TopicSpec(cfg.history_topic, cfg.partitions, prompts_configs),
         TopicSpec(cfg.dlq_topic, cfg.partitions, dlq_configs),
     ]
 
