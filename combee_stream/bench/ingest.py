@@ -34,7 +34,7 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 
-from combee_stream.bench.harness import metric_total, with_broker
+from combee_stream.bench.harness import fresh_topics, metric_total, with_broker
 from combee_stream.bench.report import Target, document, table
 from combee_stream.config import Config
 from combee_stream.ingest import IngestStage
@@ -194,25 +194,21 @@ def _rss_mb() -> float:
     return float("nan")
 
 
-def _stage_config(config: Config, run: str, spans_topic: str, **ingest: object) -> Config:
-    kafka = msgspec.structs.replace(
-        config.kafka,
-        traces_topic=f"{run}.traces",
-        prompts_topic=f"{run}.prompts",
-        history_topic=f"{run}.history",
-        dlq_topic=f"{run}.dlq",
-        feedback_topic=f"{run}.feedback",
-    )
+def _stage_config(config: Config, spans_topic: str, **ingest: object) -> Config:
+    """A stage reading ``spans_topic`` into topics of its own (the harness's fresh topics)."""
+    cfg = fresh_topics(config, "ingest", partitions=config.kafka.partitions)
+    run = cfg.kafka.traces_topic.removesuffix(".traces")
+    kafka = msgspec.structs.replace(cfg.kafka, feedback_topic=f"{run}.feedback")
     settings = msgspec.structs.replace(
         config.ingest,
         spans_topic=spans_topic,
         logs_topic=f"{run}.logs",
-        state_topic=f"{spans_topic}.state",
-        group_id=f"{spans_topic}.group",
+        state_topic=f"{run}.state",
+        group_id=f"{run}.group",
         **ingest,
     )
     engine = msgspec.structs.replace(config.engine, metrics_port=0)
-    return msgspec.structs.replace(config, kafka=kafka, ingest=settings, engine=engine)
+    return msgspec.structs.replace(cfg, kafka=kafka, ingest=settings, engine=engine)
 
 
 async def _through_stage(cfg: Config, until: str, count: int) -> tuple[float, IngestStage]:
@@ -244,7 +240,6 @@ async def run_ingest(config: Config, settings: IngestSettings) -> IngestReport:
     await _fill(config, f"{run}.open", s.open_traces, root=False)
     cfg = _stage_config(
         config,
-        f"{run}.o",
         f"{run}.open",
         gap_s=s.gap_s,
         trace_timeout_s=3600.0,
@@ -268,7 +263,7 @@ async def run_ingest(config: Config, settings: IngestSettings) -> IngestReport:
 
     await _fill(config, f"{run}.spans", s.traces, root=True)
     bare_s = await _bare(config, f"{run}.spans", s.traces)
-    cfg = _stage_config(config, run, f"{run}.spans", gap_s=s.gap_s)
+    cfg = _stage_config(config, f"{run}.spans", gap_s=s.gap_s)
     ingest_s, _ = await _through_stage(cfg, "traces_out", s.traces)
 
     ratio = (spans / ingest_s) / (spans / bare_s)
