@@ -140,6 +140,12 @@ async def ensure_topics(cfg: KafkaConfig, env: Mapping[str, str] | None = None) 
                 f"{cfg.prompts_topic!r} has {prompts}: they must be co-partitioned (same count) "
                 "so a key's traces and prompt versions share a partition"
             )
+        history = counts.get(cfg.history_topic)
+        if history != traces:
+            raise TopicMismatchError(
+                f"history topic {cfg.history_topic!r} has {history} partitions but the traces "
+                f"topic has {traces}: a key's history is written to its own partition number"
+            )
         if traces != cfg.partitions:
             raise TopicMismatchError(
                 f"existing topics have {traces} partitions but kafka.partitions = "
