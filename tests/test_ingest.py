@@ -443,3 +443,50 @@ async def test_a_pydantic_ai_agent_is_learned_from_with_only_the_span_processor(
     assert task.question in trace.task and "You answer support" not in trace.task
     assert trace.output == result.output and trace.metadata["agent"] == "pai-bot"
     assert [s.kind for s in trace.steps] == ["message"], trace.steps
+
+
+@pytest.mark.anyio
+async def test_a_trace_too_large_for_the_traces_topic_is_dead_lettered_not_a_poison_pill(
+    config: Config, unique: str
+) -> None:
+    """30 tool calls of 4,000 characters each: the trace's record would pass the broker's limit
+    (here kafka.max_message_bytes = 64 KiB), so it is dead-lettered, cut, and the next trace
+    is written as usual."""
+    async with sim_server(SimSettings(seed=SEED)) as sim:
+        cfg = ingest_config(engine_config(config, unique, sim.base_url), unique)
+        cfg = msgspec.structs.replace(
+            cfg, kafka=msgspec.structs.replace(cfg.kafka, max_message_bytes=65_536)
+        )
+        provider, collector = otel_agent.tracer_provider()
+        tracer = provider.get_tracer("tests.big")
+        task = otel_agent._messages_attribute("user", "Summarise the logs.")
+        with tracer.start_as_current_span(
+            "invoke_agent", attributes={"gen_ai.operation.name": "invoke_agent",
+                                        "combee.prompt.key": "big", "gen_ai.input.messages": task}
+        ):  # fmt: skip
+            for i in range(30):
+                attributes = {
+                    "gen_ai.operation.name": "execute_tool",
+                    "gen_ai.tool.name": "read_log",
+                    "gen_ai.tool.call.result": f"{i} " + "x" * 4000,
+                }
+                with tracer.start_as_current_span("execute_tool read_log", attributes=attributes):
+                    pass
+        provider.shutdown()
+        [small] = await agent_runs(sim.base_url, 1, ["calc-a"])
+        stage = IngestStage(cfg)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stage.run)
+            await stage.started.wait()
+            records = [(None, encode(collector.spans, "otlp_proto"), 0)]
+            records.append((None, encode(small.spans, "otlp_proto"), 0))
+            await send_records(cfg, cfg.ingest.spans_topic, records)
+            traces = await wait_for_traces(cfg, 1)
+            with anyio.fail_after(30):
+                while not (letters := await dead_letters(cfg)):  # noqa: ASYNC110
+                    await anyio.sleep(0.3)
+            stage.stop()
+    assert [t.trace_id for t in traces] == [small.trace_id]
+    [letter] = letters
+    reason = dict(letter.headers)[H_ERROR].decode()
+    assert "kafka.max_message_bytes" in reason and len(letter.value) <= 65_536 // 2

@@ -258,26 +258,31 @@ class IngestStage:
         if not items and not offsets:
             return
         settled = assembler.settled({**committed, **offsets})
+        limit = kafka.max_message_bytes
         async with producer.transaction():
-            for item in items:
+            for n, item in enumerate(items):
                 if isinstance(item, Written):
-                    trace = item.trace
-                    await producer.send(
-                        kafka.traces_topic, value=encode(trace), key=trace.key.encode()
+                    trace, value = item.trace, encode(item.trace)
+                    if len(value) <= limit:
+                        await producer.send(kafka.traces_topic, value=value, key=trace.key.encode())
+                        await producer.send(
+                            cfg.state_topic,
+                            value=msgspec.json.encode(item.mark),
+                            key=trace.trace_id.encode(),
+                        )
+                        continue
+                    # A record the broker would refuse would stop the stage for good: the
+                    # trace is a dead letter instead (its mark is not written: nothing to skip).
+                    item = items[n] = _oversized(trace.trace_id, trace.key, value, limit)
+                letter = item if isinstance(item, DeadLetter) else _letter(item)
+                if letter.value is not None and len(letter.value) > limit // 2:
+                    cut = letter.value[: limit // 2]
+                    letter = msgspec.structs.replace(
+                        letter, value=cut, reason=f"{letter.reason} (value cut to {len(cut)} bytes)"
                     )
-                    await producer.send(
-                        cfg.state_topic,
-                        value=msgspec.json.encode(item.mark),
-                        key=trace.trace_id.encode(),
-                    )
-                else:
-                    letter = item if isinstance(item, DeadLetter) else _letter(item)
-                    await producer.send(
-                        kafka.dlq_topic,
-                        value=letter.value,
-                        key=letter.key,
-                        headers=letter.headers(),
-                    )
+                await producer.send(
+                    kafka.dlq_topic, value=letter.value, key=letter.key, headers=letter.headers()
+                )
             for trace_id in settled:
                 await producer.send(cfg.state_topic, value=None, key=trace_id.encode())
             if offsets:
@@ -287,6 +292,17 @@ class IngestStage:
         committed.update(offsets)
         for item in items:
             self.metrics.observe(item)
+
+
+def _oversized(trace_id: str, key: str, value: bytes, limit: int) -> Rejected:
+    return Rejected(
+        kind="unmappable",
+        reason=f"trace {trace_id} encodes to {len(value)} bytes > kafka.max_message_bytes = "
+        f"{limit} (fewer spans per trace, or a lower ingest.max_step_chars)",
+        trace_id=trace_id,
+        key=key,
+        payload=value,
+    )
 
 
 def _letter(item: Rejected) -> DeadLetter:
