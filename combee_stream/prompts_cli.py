@@ -69,6 +69,15 @@ def register(sub: Any) -> None:
     pin.add_argument("label")
     pin.add_argument("version", type=int)
     pin.set_defaults(handler=_pin)
+    approval = prompts_sub.add_parser(
+        "approval",
+        parents=[who],
+        help="approval mode: production stays where it is until `prompts promote` (on), or "
+        "follows latest again after the next promotion (off)",
+    )
+    approval.add_argument("key")
+    approval.add_argument("state", choices=["on", "off"])
+    approval.set_defaults(handler=_approval)
     labels = prompts_sub.add_parser("labels", help="a key's labels and every move of them")
     labels.add_argument("key")
     labels.set_defaults(handler=_labels)
@@ -202,10 +211,11 @@ def _by(args: argparse.Namespace) -> str:
 
 
 async def _move(args: argparse.Namespace, config: Config, label: str, version: int | None,
-                *, rollback: bool = False) -> int:  # fmt: skip
+                *, rollback: bool = False, approval: bool | None = None) -> int:  # fmt: skip
     move = await move_label(
-        config.kafka, args.key, label, version, by=_by(args), why=args.why, rollback=rollback
-    )
+        config.kafka, args.key, label, version, by=_by(args), why=args.why, rollback=rollback,
+        approval=approval,
+    )  # fmt: skip
     where = "the newest version" if move.to_version is None else f"version {move.to_version}"
     print(f"{args.key}: {label} -> {where} (was {move.from_version}; move {move.seq})")
     return 0
@@ -221,6 +231,10 @@ async def _rollback(args: argparse.Namespace, config: Config) -> int:
     return await _move(args, config, PRODUCTION, None, rollback=True)
 
 
+async def _approval(args: argparse.Namespace, config: Config) -> int:
+    return await _move(args, config, PRODUCTION, None, approval=args.state == "on")
+
+
 async def _pin(args: argparse.Namespace, config: Config) -> int:
     return await _move(args, config, args.label, args.version)
 
@@ -234,7 +248,8 @@ async def _labels(args: argparse.Namespace, config: Config) -> int:
     production = "latest" if labels.production is None else str(labels.production)
     out.write(f"# {args.key}: versions {min(history.versions)}..{history.newest} kept\n")
     out.write(f"latest      {history.newest}\n")
-    out.write(f"production  {history.resolve(PRODUCTION)}  (follows: {production})\n")
+    mode = ", approval mode: only `prompts promote` moves it" if labels.approval else ""
+    out.write(f"production  {history.resolve(PRODUCTION)}  (follows: {production}{mode})\n")
     for name, version in sorted(labels.labels.items()):
         out.write(f"{name:<11} {version}\n")
     out.write("\n## moves\n\n")

@@ -275,6 +275,8 @@ class Labels(_Record):
     production: int | None = None
     labels: dict[str, int] = {}  # other labels (candidate, canary, an operator's own)
     previous: list[int | None] = []  # production's earlier targets, newest last (rollback)
+    # Approval mode: production never follows latest; only `prompts promote` moves it.
+    approval: bool = False
     seq: NonNegative = 0  # moves so far
     schema: int = SCHEMA_VERSION
 
@@ -289,6 +291,7 @@ class LabelMove(_Record):
     to_version: int | None  # None: production follows latest again; another label is removed
     by: str
     why: str = ""
+    approval: bool | None = None  # set when the move switched approval mode on or off
     at: dt.datetime | None = None
     schema: int = SCHEMA_VERSION
 

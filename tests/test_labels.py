@@ -90,3 +90,32 @@ async def _next(sub: PromptSubscriber):  # type: ignore[no-untyped-def]
     async for update in sub:
         yield update
         return
+
+
+@pytest.mark.anyio
+async def test_in_approval_mode_no_version_reaches_production_without_a_promotion(
+    config: Config, unique: str
+) -> None:
+    key = "approved"
+    async with sim_server(SimSettings(seed=1)) as llm:
+        cfg = engine_config(config, unique, llm.base_url, batch_size=1, max_wait_s=0.2)
+        engine = Engine(cfg)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.run)
+            await engine.started.wait()
+            await produce(cfg, [lesson_trace(key, "t1", "l1", "rule 1 of the key")])
+            await wait_until_learned(cfg, {key: 1}, 60)
+            on = await move_label(cfg.kafka, key, PRODUCTION, None, by="ops", approval=True)
+            assert (on.from_version, on.to_version, on.approval) == (1, 1, True)
+            for i in (2, 3):
+                await produce(cfg, [lesson_trace(key, f"t{i}", f"l{i}", f"rule {i} of the key")])
+                await wait_until_learned(cfg, {key: i}, 60)
+            held = await read_history(cfg.kafka, key)
+            assert held.newest == 3 and held.resolve(PRODUCTION) == 1, "nothing auto-promoted"
+            promoted = await move_label(cfg.kafka, key, PRODUCTION, None, by="ops", why="ok")
+            assert promoted.to_version == 3, "a promotion in approval mode pins the newest"
+            await produce(cfg, [lesson_trace(key, "t4", "l4", "rule 4 of the key")])
+            await wait_until_learned(cfg, {key: 4}, 60)
+            engine.stop()
+    after = await read_history(cfg.kafka, key)
+    assert after.newest == 4 and after.resolve(PRODUCTION) == 3 and after.labels.approval

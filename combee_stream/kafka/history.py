@@ -138,11 +138,15 @@ async def move_label(
     by: str,
     why: str = "",
     rollback: bool = False,
+    approval: bool | None = None,
     env: Mapping[str, str] | None = None,
 ) -> LabelMove:
     """Move ``label`` of ``key`` to ``to_version`` (None: ``production`` follows latest again,
-    another label is removed); with ``rollback``, move ``production`` back to where it pointed
-    before (``to_version`` ignored). The labels and the audit record go in one transaction."""
+    or, in approval mode, moves to the newest; another label is removed); with ``rollback``,
+    move ``production`` back to where it pointed before (``to_version`` ignored). With
+    ``approval`` (production only), switch approval mode on (production is pinned where it is,
+    and from then on only a promotion moves it) or off. The labels and the audit record go in
+    one transaction."""
     if label == LATEST:
         raise UserError("'latest' is the engine's newest version: it cannot be moved")
     history = await read_history(cfg, key, env)
@@ -165,14 +169,26 @@ async def move_label(
         else:
             raise UserError(f"production of {key!r} was never moved: nothing to roll back to")
     elif label == PRODUCTION:
-        previous = [*previous, current][-_PREVIOUS_KEPT:]
+        if approval is not None:  # on: pinned where it is now; off: stays until a promotion
+            to_version = resolve(labels, PRODUCTION, history.newest) if approval else current
+        elif to_version is None and labels.approval:
+            to_version = history.newest  # approval mode: a promotion pins the newest
+        if to_version != current:
+            previous = [*previous, current][-_PREVIOUS_KEPT:]
     if to_version is not None and to_version not in history.versions:
         raise UserError(
             f"version {to_version} of {key!r} is not in the history (kept: "
             f"{sorted(history.versions)}; kafka.history_versions = {cfg.history_versions})"
         )
+    if approval is not None and label != PRODUCTION:
+        raise UserError("approval mode is a property of production")
     if label == PRODUCTION:
-        moved = msgspec.structs.replace(labels, production=to_version, previous=previous)
+        moved = msgspec.structs.replace(
+            labels,
+            production=to_version,
+            previous=previous,
+            approval=labels.approval if approval is None else approval,
+        )
     else:
         others = {k: v for k, v in labels.labels.items() if k != label}
         if to_version is not None:
@@ -186,6 +202,7 @@ async def move_label(
         label=label,
         from_version=resolve(labels, label, history.newest),
         to_version=to_version,
+        approval=approval,
         by=by,
         why=why,
         at=dt.datetime.now(dt.UTC),
