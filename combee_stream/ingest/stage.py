@@ -78,6 +78,7 @@ class IngestStage:
         self._stop = anyio.Event()
         self._retry = RetryPolicy(base_s=0.5, max_s=10.0)
         self._rng = random.Random()
+        self._reading = False  # the current session got as far as reading
 
     def stop(self) -> None:
         self._stop.set()
@@ -102,8 +103,11 @@ class IngestStage:
                 ) from None
             except KafkaError as exc:
                 # Everything not committed is read again by the next session: restarting is
-                # the recovery, and it may repeat until the broker deadline.
+                # the recovery, and it may repeat until the broker deadline (counted from the
+                # first failure since a session last got going).
                 now = time.monotonic()
+                if self._reading:
+                    self._reading, failed_since, attempt = False, None, 0
                 failed_since = failed_since or now
                 deadline = self.config.engine.broker_deadline_s
                 self.metrics.restarts.inc()
@@ -115,8 +119,6 @@ class IngestStage:
                 attempt += 1
                 log.warning("ingest restarts from the committed offsets", error=str(exc))
                 await anyio.sleep(self._retry.delay(attempt, self._rng))
-            else:
-                failed_since, attempt = None, 0
 
     # ------------------------------------------------------------------ one session
 
@@ -169,6 +171,7 @@ class IngestStage:
         committed: dict[tuple[str, int], int] = {}
         clock = _StreamClock()
         pending: list[Written | Rejected | DeadLetter] = []
+        self._reading = True
         self.started.set()
         while not self._stop.is_set():
             batches = await consumer.getmany(timeout_ms=_POLL_MS, max_records=_MAX_RECORDS)
