@@ -211,8 +211,8 @@ def _stage_config(config: Config, spans_topic: str, **ingest: object) -> Config:
     return msgspec.structs.replace(cfg, kafka=kafka, ingest=settings, engine=engine)
 
 
-async def _through_stage(cfg: Config, until: str, count: int) -> tuple[float, IngestStage]:
-    """Run a stage until its ``until`` metric reaches ``count``; (seconds from start, stage)."""
+async def _through_stage(cfg: Config, until: str, count: int) -> float:
+    """Run a stage until its ``until`` metric reaches ``count``; seconds from its start."""
     stage = IngestStage(cfg)
     async with anyio.create_task_group() as tg:
         tg.start_soon(stage.run)
@@ -224,7 +224,7 @@ async def _through_stage(cfg: Config, until: str, count: int) -> tuple[float, In
                 await anyio.sleep(0.05)
         elapsed = anyio.current_time() - started
         stage.stop()
-    return elapsed, stage
+    return elapsed
 
 
 async def run_ingest(config: Config, settings: IngestSettings) -> IngestReport:
@@ -264,7 +264,7 @@ async def run_ingest(config: Config, settings: IngestSettings) -> IngestReport:
     await _fill(config, f"{run}.spans", s.traces, root=True)
     bare_s = await _bare(config, f"{run}.spans", s.traces)
     cfg = _stage_config(config, f"{run}.spans", gap_s=s.gap_s)
-    ingest_s, _ = await _through_stage(cfg, "traces_out", s.traces)
+    ingest_s = await _through_stage(cfg, "traces_out", s.traces)
 
     ratio = (spans / ingest_s) / (spans / bare_s)
     per_trace = (heap_open - heap_before) / max(1, opened)

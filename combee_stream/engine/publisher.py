@@ -37,8 +37,7 @@ from combee_stream.engine.partition import KeyIndex, Partitions, PartitionState
 from combee_stream.errors import BrokerUnavailableError
 from combee_stream.kafka.client import start_client, stop_quietly
 from combee_stream.kafka.dlq import DeadLetter, send_dead_letter
-from combee_stream.kafka.history import history_records
-from combee_stream.kafka.producer import make_producer
+from combee_stream.kafka.producer import make_producer, send_update
 from combee_stream.logs import get_logger
 from combee_stream.retry import RetryPolicy
 from combee_stream.schemas import PromptUpdate, Trace, encode
@@ -245,28 +244,15 @@ class Publisher:
         self, part: PartitionState, update: PromptUpdate, learned: Sequence[Any]
     ) -> None:
         kafka = self._config.kafka
-        topic = kafka.prompts_topic
-        value, key = encode(update), update.key.encode()
         producer = await self.txn_producer(part.partition)
-        history = history_records(update, kafka.history_versions)
-
-        async def send_all() -> Any:
-            # The version, its history record (and the expiry of the one history_versions
-            # older) in one transaction: the history never misses or invents a version.
-            sent = await producer.send(topic, value=value, key=key, partition=part.partition)
-            for record_key, record_value in history:
-                await producer.send(
-                    kafka.history_topic, value=record_value, key=record_key,
-                    partition=part.partition,
-                )  # fmt: skip
-            return sent
-
+        # The version and its history records (and the expiry of the one history_versions
+        # older) go in one transaction: the history never misses or invents a version.
         if not self._eos:
             # A transaction of its own, for the fencing: a zombie owner of this partition (a
             # process paused past its session timeout) fails here once the new owner has
             # initialised the partition's transactional id, instead of forking the chain.
             async with producer.transaction():
-                sent = await send_all()
+                sent = await send_update(producer, kafka, update, part.partition)
             for source in learned:
                 part.offsets.done(source.offset)
             self._index(part, update, (await sent).offset)
@@ -277,7 +263,7 @@ class Publisher:
         assert commit_at is not None  # the learned offsets were read
         try:
             async with producer.transaction():
-                sent = await send_all()
+                sent = await send_update(producer, kafka, update, part.partition)
                 tp = TopicPartition(self._config.kafka.traces_topic, part.partition)
                 await producer.send_offsets_to_transaction(
                     {tp: commit_at}, self._config.kafka.group_id

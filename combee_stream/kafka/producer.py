@@ -76,19 +76,30 @@ class TraceProducer:
         await self._producer.flush()
 
 
+async def send_update(
+    producer: AIOKafkaProducer, cfg: KafkaConfig, update: PromptUpdate, partition: int | None = None
+) -> Any:
+    """Queue one prompt version: its prompts-topic record, keyed by its prompt key, and its
+    history records in the same partition (``partition``, or the one the partitioner chose).
+    Returns the prompts record's delivery future; in a transaction the two are atomic."""
+    sent = await producer.send(
+        cfg.prompts_topic, value=encode(update), key=update.key.encode(), partition=partition
+    )
+    if partition is None:
+        partition = (await sent).partition
+    for record_key, value in history_records(update, cfg.history_versions):
+        await producer.send(cfg.history_topic, value=value, key=record_key, partition=partition)
+    return sent
+
+
 async def publish_update(
     producer: AIOKafkaProducer, cfg: KafkaConfig, update: PromptUpdate
 ) -> tuple[int, int]:
-    """Publish one prompt version to the compacted prompts topic, keyed by its prompt key, and
-    to the history topic in the same partition (a transactional ``producer`` makes it atomic)."""
-    meta = await producer.send_and_wait(
-        cfg.prompts_topic, value=encode(update), key=update.key.encode()
-    )
-    for record_key, value in history_records(update, cfg.history_versions):
-        await producer.send_and_wait(
-            cfg.history_topic, value=value, key=record_key, partition=meta.partition
-        )
+    """Publish one prompt version (:func:`send_update`) and wait until the broker has it all."""
+    sent = await send_update(producer, cfg, update)
+    await producer.flush()
+    meta = await sent
     return meta.partition, meta.offset
 
 
-__all__ = ["TraceProducer", "make_producer", "publish_update"]
+__all__ = ["TraceProducer", "make_producer", "publish_update", "send_update"]
