@@ -250,6 +250,46 @@ class IngestConfig(_Section):
     max_step_chars: Positive = 4_000
 
 
+class GateConfig(_Section):
+    """The publish gate (``combee_stream.core.gate``): what a candidate version must prove
+    before agents get it. Off by default (every candidate within its budget is published)."""
+
+    # Replay gate: every candidate is answered, with the agent role, on held-out tasks of its
+    # key beside the version it extends, and published only if it is not worse.
+    replay: bool = False
+    # Keys the gate applies to (shell-style patterns); the others publish ungated.
+    keys: list[str] = field(default_factory=lambda: ["*"])
+    # The share of traces with a ground truth kept out of learning as held-out tasks, chosen
+    # by a hash of the trace id (the same traces on every instance, restart and replay).
+    holdout_fraction: Annotated[float, Meta(gt=0, lt=1)] = 0.2
+    reservoir_size: Positive = 50  # held-out tasks kept per key (a bottom-k sample by hash)
+    regression_size: Annotated[int, Meta(ge=0)] = 20  # tasks a refused candidate broke, kept
+    # Below this many held-out tasks the gate cannot judge, and refuses: nothing unverified
+    # is published (its traces are learned-and-rejected, as for any refusal).
+    min_samples: Positive = 20
+    # Non-inferiority: accept when the lower bound of the paired difference in accuracy
+    # (candidate - current) at this one-sided confidence is above -margin (the statistic is in
+    # core/replay.py; with 20 tasks, a candidate that changes none passes at 0.1, one that
+    # loses one fails).
+    margin: Annotated[float, Meta(ge=0, le=1)] = 0.1
+    confidence: Annotated[float, Meta(gt=0.5, lt=1)] = 0.95
+    # "agent": the engine answers each task itself through the llm.agent role (a single-call
+    # agent), scored against the trace's ground truth with `scorer`. Or "module:function", an
+    # async callable (prompt: str, task: HeldOutTask) -> score in [0, 1].
+    evaluator: str = "agent"
+    scorer: Literal["exact", "numeric", "contains"] = "numeric"
+    # A trace whose task or ground truth is longer than this is never held out (the reservoir
+    # travels with every version).
+    max_task_chars: Positive = 2_000
+    concurrency: Positive = 4  # evaluation calls in flight per review
+
+    def __post_init__(self) -> None:
+        if self.evaluator != "agent" and ":" not in self.evaluator:
+            raise ValueError(
+                f"evaluator: {self.evaluator!r} is neither 'agent' nor 'module:function'"
+            )
+
+
 class LogConfig(_Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["auto", "json", "console"] = "auto"
@@ -263,6 +303,7 @@ class Config(_Section):
     learning: LearningConfig = field(default_factory=LearningConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
@@ -335,6 +376,7 @@ __all__ = [
     "ConfigError",
     "EmbeddingsConfig",
     "EngineConfig",
+    "GateConfig",
     "IngestConfig",
     "KafkaConfig",
     "LLMConfig",

@@ -212,8 +212,41 @@ class SizeRejection(Struct, frozen=True, tag="update_size", tag_field="kind"):
 Rejection = BudgetRejection | GateRejection | SizeRejection
 
 
-class UpdateStats(Struct, forbid_unknown_fields=True):
-    """What one version learned and what its window cost.
+class HeldOutTask(Struct, frozen=True, forbid_unknown_fields=True):
+    """A trace kept out of learning to test candidates on (the replay gate): its task and the
+    ground truth its feedback gave."""
+
+    trace_id: str
+    task: str
+    answer: str
+    rank: int  # the hash of the trace id that chose it (the reservoir keeps the lowest)
+
+
+class Holdout(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """A key's held-out tasks, carried by each of its versions (so restore and scale-out keep
+    them): a bottom-k sample of its held-out traces, and the tasks refused candidates broke."""
+
+    tasks: list[HeldOutTask] = []
+    regressions: list[HeldOutTask] = []
+
+
+class GateReport(Struct, frozen=True, forbid_unknown_fields=True):
+    """What the replay gate measured on a candidate: accuracy of the version it extends and of
+    the candidate on the same ``n`` held-out tasks, and the lower confidence bound of their
+    paired difference."""
+
+    gate: str
+    accepted: bool
+    n: int
+    current: float
+    candidate: float
+    lower: float
+    broke: list[str] = []  # trace ids of the tasks right before and wrong under the candidate
+
+
+class UpdateStats(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """What one version learned and what its window cost (fields at their defaults are left
+    out of the JSON, so a field added later does not trouble an older reader).
 
     Built in one place (:mod:`combee_stream.core.versions`) for every driver (the engine,
     offline ``learn``, ``prompts set``), so each field means the same thing wherever the version
@@ -246,9 +279,13 @@ class UpdateStats(Struct, forbid_unknown_fields=True):
     # Why the window's proposed delta was not applied; None when it was. Its traces are still
     # learned (listed in trace_ids), so they are never learned again.
     rejection: Rejection | None = None
+    # Traces of the window kept out of learning as held-out tasks (the replay gate); they are
+    # consumed by this version (in its watermark) but not learned.
+    held_out: list[str] = []
+    gate: GateReport | None = None  # what the replay gate measured, when it reviewed
 
 
-class PromptUpdate(_Record):
+class PromptUpdate(_Record, omit_defaults=True):
     """One published prompt version; the value of the compacted prompts topic, keyed by ``key``.
 
     ``watermark`` maps a traces-topic partition to the highest offset of this key's traces that
@@ -263,6 +300,7 @@ class PromptUpdate(_Record):
     stats: UpdateStats = field(default_factory=UpdateStats)
     watermark: dict[int, int] = {}
     created_at: dt.datetime | None = None
+    holdout: Holdout | None = None  # the key's held-out tasks (only with the replay gate)
     schema: int = SCHEMA_VERSION
 
 
@@ -335,6 +373,9 @@ __all__ = [
     "Feedback",
     "FeedbackRecord",
     "GateRejection",
+    "GateReport",
+    "HeldOutTask",
+    "Holdout",
     "Operation",
     "Playbook",
     "PromptUpdate",

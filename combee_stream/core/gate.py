@@ -7,7 +7,8 @@ parent's bullets and the traces' provenance (so they are never learned again), a
 in ``UpdateStats.rejection`` as a :class:`~combee_stream.schemas.GateRejection`.
 
 A gate is any object with an async ``review``; the default, :class:`AcceptAll`, keeps the
-behaviour of a pipeline without one. Replay evaluation, canaries and approval modes are gates.
+behaviour of a pipeline without one; :class:`combee_stream.core.replay.ReplayGate` tests the
+candidate on held-out tasks. :func:`gate_from_config` builds the configured one.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from typing import Protocol
 
 from msgspec import Struct
 
-from combee_stream.schemas import Delta, Playbook, Reflection
+from combee_stream.config import Config
+from combee_stream.core.llm import LLMClient
+from combee_stream.schemas import Delta, GateReport, Holdout, Playbook, Reflection
 
 
 class Candidate(Struct, frozen=True, kw_only=True):
@@ -27,11 +30,14 @@ class Candidate(Struct, frozen=True, kw_only=True):
     playbook: Playbook  # parent + the window's delta, within the token budget
     delta: Delta  # what was applied (tags, operations, provenance)
     reflections: list[Reflection]
+    holdout: Holdout | None = None  # the key's held-out tasks (the replay gate's test set)
 
 
 class Verdict(Struct, frozen=True):
     accepted: bool
     reason: str = ""
+    report: GateReport | None = None  # what was measured, for the version's stats
+    holdout: Holdout | None = None  # the held-out tasks afterwards (regressions added)
 
 
 class PublishGate(Protocol):
@@ -51,4 +57,13 @@ class AcceptAll:
         return Verdict(accepted=True)
 
 
-__all__ = ["AcceptAll", "Candidate", "PublishGate", "Verdict"]
+def gate_from_config(config: Config, llm: LLMClient) -> PublishGate:
+    """The gate ``config.gate`` asks for (AcceptAll when the replay gate is off)."""
+    if not config.gate.replay:
+        return AcceptAll()
+    from combee_stream.core.replay import ReplayGate  # (it imports this module)
+
+    return ReplayGate.from_config(config.gate, llm)
+
+
+__all__ = ["AcceptAll", "Candidate", "PublishGate", "Verdict", "gate_from_config"]

@@ -40,6 +40,10 @@ Decisions (Combee notes §8):
 - **Gate.** A delta that fits goes to the publish gate (:mod:`combee_stream.core.gate`). A
   refused candidate falls back to provenance only (no operations, no tags: nothing of the
   refused window reaches the prompt), again one version, its traces learned-and-rejected.
+- **Held out.** With the replay gate, some traces with a ground truth are not learned
+  (:mod:`combee_stream.core.holdout`): the window's version consumes them (its watermark and
+  ``stats.held_out``) and carries them in the key's held-out tasks; a window of held-out traces
+  only still yields a version (unchanged playbook), so their offsets are committed like any.
 
 :meth:`Learner.from_config` is the one constructor of a configured learner (strategy, scan
 parameters, prompts, embeddings, gate), used by every driver.
@@ -58,7 +62,8 @@ from msgspec import Struct
 
 from combee_stream.config import Config, LearningConfig
 from combee_stream.core.delta import empty, merge, rebase
-from combee_stream.core.gate import AcceptAll, Candidate, PublishGate
+from combee_stream.core.gate import AcceptAll, Candidate, PublishGate, gate_from_config
+from combee_stream.core.holdout import HoldoutPolicy
 from combee_stream.core.hygiene import compile_policy, review_adds, violates
 from combee_stream.core.llm import ChatMessage, Completion, LLMCallError, LLMClient, Role
 from combee_stream.core.outputs import CuratorOutput, ReflectorOutput, ReflectorOutputNoTags
@@ -93,6 +98,9 @@ from combee_stream.schemas import (
     BulletTag,
     Delta,
     GateRejection,
+    GateReport,
+    HeldOutTask,
+    Holdout,
     Playbook,
     Reflection,
     Rejection,
@@ -175,11 +183,19 @@ class WindowResult(Struct):
     reflections: list[Reflection]
     stats: WindowStats
     rejection: Rejection | None = None  # why ``proposed`` was not applied (budget, gate)
+    held_out: list[Source] = []  # the window's traces kept out of learning (the replay gate)
+    holdout: Holdout | None = None  # the key's held-out tasks as of this version
+    report: GateReport | None = None  # what the replay gate measured
 
     @property
     def learned(self) -> list[Source]:
         """Traces this version learned from (empty when every reflection failed)."""
         return self.delta.sources if self.applied.applied else []
+
+    @property
+    def consumed(self) -> list[Source]:
+        """Traces this version is done with: learned, or held out."""
+        return [*self.learned, *self.held_out]
 
 
 def _window_rng(seed: int, key: str, version: int, sources: Sequence[Source]) -> random.Random:
@@ -221,9 +237,11 @@ class Learner:
         prompts: Prompts | None = None,
         strategy_name: str | None = None,
         gate: PublishGate | None = None,
+        holdout: HoldoutPolicy | None = None,
         max_update_bytes: int | None = None,
     ) -> None:
         self._llm = llm
+        self.holdout = holdout
         self._max_update_bytes = max_update_bytes
         self._config = learning
         self._policy = compile_policy(learning.content_policy)
@@ -250,9 +268,11 @@ class Learner:
     ) -> Learner:
         """A learner with every option of ``config`` wired: strategy, scan parameters, prompt
         overrides, semantic dedup through ``llm``'s embeddings endpoint when
-        ``llm.embeddings.enabled``, and the gate. Fails fast (``MissingEndpointError``) when a
-        role it will call has no endpoint."""
+        ``llm.embeddings.enabled``, and the gate (``gate``, else the one ``config.gate`` asks for,
+        with its held-out policy). Fails fast (``MissingEndpointError``) when a role it will call
+        has no endpoint."""
         llm.require(*required_roles(config, strategy_name))  # type: ignore[arg-type]
+        holdout = HoldoutPolicy(config.gate) if config.gate.replay else None
         embeddings = config.llm.embeddings
         return cls(
             llm,
@@ -260,7 +280,8 @@ class Learner:
             embed=llm.embed if embeddings.enabled else None,
             dedup_threshold=embeddings.threshold,
             strategy_name=strategy_name,
-            gate=gate,
+            gate=gate or gate_from_config(config, llm),
+            holdout=holdout,
             max_update_bytes=config.kafka.max_message_bytes,
         )
 
@@ -423,10 +444,23 @@ class Learner:
             key, snapshot.version, merge(base, tree_delta), failed, done, stats, tasks=tasks
         )
 
-    async def commit(self, proposal: Proposal, onto: Playbook) -> WindowResult:
+    def held_out(self, trace: Trace) -> HeldOutTask | None:
+        """The held-out task ``trace`` is kept as instead of being learned (the replay gate),
+        or None."""
+        return self.holdout.held_out(trace) if self.holdout is not None else None
+
+    async def commit(
+        self,
+        proposal: Proposal,
+        onto: Playbook,
+        *,
+        holdout: Holdout | None = None,
+        held_out: Sequence[Source] = (),
+    ) -> WindowResult:
         """Apply a proposal to ``onto`` — its own snapshot, or a newer version of the same key,
         in which case the delta is first rebased (:func:`~combee_stream.core.delta.rebase`).
-        Budget rejection falls back to tags + provenance, then provenance only."""
+        Budget rejection falls back to tags + provenance, then provenance only. ``holdout``:
+        the key's held-out tasks with the window's ``held_out`` traces already in them."""
         started = anyio.current_time()
         if onto.key != proposal.key:
             raise ValueError(f"proposal for key {proposal.key!r} committed to {onto.key!r}")
@@ -439,6 +473,12 @@ class Learner:
             proposal.stats, stale_by=onto.version - proposal.snapshot_version
         )
         delta = proposal.delta
+        if not delta.sources and held_out:  # only held-out traces: a version for their offsets
+            bumped = apply(onto, empty(onto.key, onto.version), token_budget=None)
+            return WindowResult(
+                bumped.playbook, empty(onto.key, onto.version), delta, bumped, proposal.failed,
+                proposal.reflections, stats, held_out=list(held_out), holdout=holdout,
+            )  # fmt: skip
         if not delta.sources:  # every reflection failed: nothing learned, nothing to apply
             unchanged = ApplyResult(playbook=onto, applied=False, tokens=playbook_tokens(onto))
             return WindowResult(
@@ -448,6 +488,7 @@ class Learner:
             delta = rebase(delta, onto)
         result = await self._apply(onto, delta, proposal.tasks)
         applied_delta = delta
+        report: GateReport | None = None
         rejection: Rejection | None = result.rejected
         fallbacks: list[Delta] = []
         if not result.applied:
@@ -476,8 +517,12 @@ class Learner:
                     playbook=result.playbook,
                     delta=delta,
                     reflections=proposal.reflections,
+                    holdout=holdout,
                 )
             )
+            report = verdict.report
+            if verdict.holdout is not None:
+                holdout = verdict.holdout
             if not verdict.accepted:
                 rejection = GateRejection(gate=self._gate.name, reason=verdict.reason)
                 fallbacks = [Delta(key=onto.key, sources=delta.sources, base_version=onto.version)]
@@ -497,6 +542,9 @@ class Learner:
             reflections=proposal.reflections,
             stats=stats,
             rejection=rejection,
+            report=report,
+            held_out=list(held_out),
+            holdout=holdout,
         )
 
     async def _apply(self, snapshot: Playbook, delta: Delta, tasks: Sequence[str]) -> ApplyResult:

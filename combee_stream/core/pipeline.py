@@ -46,7 +46,7 @@ from combee_stream.core.learner import (
 from combee_stream.core.prompts import ReflectionRecord
 from combee_stream.core.versions import KeyChain, WindowInfo
 from combee_stream.logs import get_logger
-from combee_stream.schemas import PromptUpdate, Source, Trace
+from combee_stream.schemas import HeldOutTask, PromptUpdate, Source, Trace
 
 log = get_logger(__name__)
 
@@ -72,6 +72,7 @@ class Window:
         self.number = number
         self.opened_at = opened_at
         self.items: list[Pending] = []
+        self.held: dict[Source, HeldOutTask] = {}  # items kept out of learning (replay gate)
         self.reflected: list[ReflectionRecord] = []
         self.failed: list[FailedTrace] = []
         self.outstanding = 0
@@ -228,7 +229,9 @@ class KeyPipeline:
                     window.stats = self._learner.new_stats()
                 window.items.append(item)
                 window.stats.traces += 1
-                if self._cfg.pipelined:
+                if (task := self._learner.held_out(item.trace)) is not None:
+                    window.held[item.source] = task
+                elif self._cfg.pipelined:
                     window.outstanding += 1
                     tg.start_soon(self._reflect, window, item)
             size = self._size(window)
@@ -239,8 +242,9 @@ class KeyPipeline:
                     await self._in_flight.acquire()
                 holding = False
                 if not self._cfg.pipelined:  # synchronous: the Map starts at close
-                    window.outstanding = len(window.items)
-                    for queued in window.items:
+                    learned = [i for i in window.items if i.source not in window.held]
+                    window.outstanding = len(learned)
+                    for queued in learned:
                         tg.start_soon(self._reflect, window, queued)
                 window.close(size)
                 self._window_open = False
@@ -281,7 +285,7 @@ class KeyPipeline:
             await window.reflections_done.wait()
             if window.failed:
                 await self._park(window, window.failed, "reflect")
-            proposal = await self._reduce(window) if window.reflected else None
+            proposal = await self._reduce(window) if window.reflected or window.held else None
             await previous.wait()  # commit and publish in window order
             if proposal is not None:
                 await self._publish(window, proposal)
@@ -319,8 +323,13 @@ class KeyPipeline:
     async def _publish(self, window: Window, proposal: Proposal) -> None:
         if self._stopped:
             return
+        holdout = self.chain.holdout
+        if window.held and self._learner.holdout is not None:
+            holdout = self._learner.holdout.add(holdout, window.held.values())
         # Rebased onto the newest version when an earlier window was published meanwhile.
-        result = await self._learner.commit(proposal, self.chain.playbook)
+        result = await self._learner.commit(
+            proposal, self.chain.playbook, holdout=holdout, held_out=sorted(window.held)
+        )
         window.result = result
         delay = anyio.current_time() - window.closed_at
         update = self.chain.next_update(

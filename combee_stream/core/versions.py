@@ -30,7 +30,15 @@ from msgspec import Struct
 from combee_stream.core.learner import WindowResult
 from combee_stream.core.playbook import new_playbook, render
 from combee_stream.errors import DecodeError
-from combee_stream.schemas import Playbook, PromptUpdate, UpdateStats, decode, encode, utcnow
+from combee_stream.schemas import (
+    Holdout,
+    Playbook,
+    PromptUpdate,
+    UpdateStats,
+    decode,
+    encode,
+    utcnow,
+)
 
 
 class WindowInfo(Struct, frozen=True, kw_only=True):
@@ -58,7 +66,7 @@ class KeyChain:
         self.newest = newest
         self._horizon = horizon
         self._recent: OrderedDict[str, None] = OrderedDict()
-        for trace_id in newest.stats.trace_ids if newest is not None else ():
+        for trace_id in _consumed(newest) if newest is not None else ():
             self._remember(trace_id)
 
     def restore(self, update: PromptUpdate) -> None:
@@ -67,7 +75,7 @@ class KeyChain:
             raise ValueError(f"update of key {update.key!r} restored into chain {self.key!r}")
         if self.newest is None or update.version > self.newest.version:
             self.newest = update
-            for trace_id in update.stats.trace_ids:
+            for trace_id in _consumed(update):
                 self._remember(trace_id)
 
     def seen(self, trace_id: str) -> bool:
@@ -106,6 +114,11 @@ class KeyChain:
         return self.newest.watermark.get(self.partition, -1)
 
     @property
+    def holdout(self) -> Holdout | None:
+        """The key's held-out tasks (the replay gate), as of the newest version."""
+        return self.newest.holdout if self.newest is not None else None
+
+    @property
     def traces_learned(self) -> int:
         return self.newest.stats.traces_learned if self.newest is not None else 0
 
@@ -113,7 +126,8 @@ class KeyChain:
         """The version ``result`` makes of this chain; None when the window learned nothing
         (every reflection failed). ``result`` must be committed onto :attr:`playbook`."""
         learned = sorted(result.learned)
-        if not learned:
+        consumed = sorted(result.consumed)
+        if not consumed:
             return None
         parent = self.playbook
         book = result.playbook
@@ -122,7 +136,7 @@ class KeyChain:
                 f"{self.key}: result v{book.version} was not committed onto v{parent.version}"
             )
         watermark = dict(self.newest.watermark) if self.newest is not None else {}
-        for source in learned:
+        for source in consumed:
             if source.partition >= 0:
                 previous = watermark.get(source.partition, -1)
                 watermark[source.partition] = max(previous, source.offset)
@@ -147,9 +161,12 @@ class KeyChain:
                 bullets_added=len(result.applied.added),
                 skipped=_skipped(result),
                 rejection=result.rejection,
+                held_out=[s.trace_id for s in result.held_out],
+                gate=result.report,
             ),
             watermark=watermark,
             created_at=utcnow(),
+            holdout=result.holdout,
         )
 
     def advance(self, update: PromptUpdate) -> None:
@@ -159,6 +176,10 @@ class KeyChain:
                 f"{self.key}: cannot advance v{self.version} to {update.key} v{update.version}"
             )
         self.newest = update
+
+
+def _consumed(update: PromptUpdate) -> list[str]:
+    return [*update.stats.trace_ids, *update.stats.held_out]
 
 
 def _skipped(result: WindowResult) -> dict[str, int]:

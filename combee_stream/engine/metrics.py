@@ -127,6 +127,15 @@ class EngineMetrics:
             ["op"],
             registry=r,
         )
+        self.gate_reviews = Counter(
+            "combee_gate_reviews",
+            "Candidates the publish gate reviewed, by gate and outcome (accepted, rejected)",
+            ["gate", "outcome"],
+            registry=r,
+        )
+        self.held_out = Counter(
+            "combee_held_out_traces", "Traces kept out of learning as held-out tasks", registry=r
+        )
         self.health = Health()
         self.keys = KeyLabels(
             key_series,

@@ -169,7 +169,7 @@ class Publisher:
         part = self._partitions.get(chain.partition)
         if part is None:
             return False
-        learned = window.result.learned if window.result is not None else []
+        learned = window.result.consumed if window.result is not None else []
 
         async def send() -> None:
             await self._send_update(part, update, learned)
@@ -296,6 +296,14 @@ class Publisher:
         m.playbook_tokens.labels(label).set(playbook_tokens(update.playbook))
         m.batch_size.labels(label).set(update.stats.batch_size)
         m.publish_lag.observe(now - window.closed_at)
+        stats = update.stats
+        if stats.gate is not None:
+            m.gate_reviews.labels(
+                stats.gate.gate, "accepted" if stats.gate.accepted else "rejected"
+            ).inc()
+        elif stats.rejection is not None and stats.rejection.kind == "gate":
+            m.gate_reviews.labels(stats.rejection.gate, "rejected").inc()  # type: ignore[union-attr]
+        m.held_out.inc(len(stats.held_out))
         learned = set(update.stats.trace_ids)
         for item in window.items:
             if item.source.trace_id in learned:
@@ -315,6 +323,8 @@ class Publisher:
             bullets=bullets,
             batch_size=update.stats.batch_size,
             rejection=update.stats.rejection.kind if update.stats.rejection else None,
+            reason=getattr(update.stats.rejection, "reason", None),
+            held_out=len(update.stats.held_out) or None,
         )
 
 

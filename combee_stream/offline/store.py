@@ -92,7 +92,9 @@ class OutputDir:
                     f"after version {known.version}"
                 )
             out.newest[key] = update
-            out.learned.setdefault(key, set()).update(update.stats.trace_ids)
+            out.learned.setdefault(key, set()).update(
+                [*update.stats.trace_ids, *update.stats.held_out]
+            )
         else:
             if data and not data.endswith(b"\n"):  # complete record, newline lost: restore it
                 with self.history.open("ab") as handle:

@@ -21,7 +21,7 @@ from combee_stream.schemas import AddOp, BulletTag, Operation
 from combee_stream.sim.faults import unit
 from combee_stream.sim.markers import Lesson, distinct, find_lessons, mentions
 from combee_stream.sim.settings import RealismModel
-from combee_stream.sim.tasks import task_code, task_lesson
+from combee_stream.sim.tasks import poison_of, task_code, task_lesson
 
 Role = Literal["reflector", "curator", "combiner", "agent"]
 CURATOR_SECTION = "STRATEGIES & INSIGHTS"
@@ -206,7 +206,8 @@ def combine(prompt: str) -> CuratorOutput:
 
 def answer(system: str, prompt: str, *, seed: int) -> AgentOutput:
     """The agent of simulated tasks (:mod:`combee_stream.sim.tasks`): right if and only if its
-    system prompt carries the lesson the task needs; it cites the bullets that carry it."""
+    system prompt carries the lesson the task needs and no poison for it; it cites the bullets
+    that carry them."""
     question = block(prompt, "question") or ""
     lesson_id = task_lesson(question)
     if lesson_id is None:
@@ -223,6 +224,19 @@ def answer(system: str, prompt: str, *, seed: int) -> AgentOutput:
     ]
     knows = bool(carriers) or mentions(system, lesson_id)
     code = task_code(seed, lesson_id)
+    poison = poison_of(lesson_id)
+    if mentions(system, poison):  # a wrong rule for the case overrides the right one
+        misled = [
+            line.split("]", 1)[0].lstrip("[")
+            for line in system.splitlines()
+            if line.startswith("[") and mentions(line, poison)
+        ]
+        return AgentOutput(
+            reasoning=f"Simulated agent: the prompt carries {poison}.",
+            bullet_ids=misled,
+            expression="",
+            final_answer=str(code + 1),
+        )
     return AgentOutput(
         reasoning=f"Simulated agent: the prompt {'carries' if knows else 'lacks'} {lesson_id}.",
         bullet_ids=carriers,

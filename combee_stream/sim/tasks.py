@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Collection, Sequence
 from typing import Final
 
+from combee_stream.schemas import Feedback, Trace
 from combee_stream.sim.markers import marker_line
 from combee_stream.sim.traces import lesson_ids, lesson_text
 from combee_stream.tasks.base import Task
@@ -29,6 +31,48 @@ def task_code(seed: int, lesson_id: str) -> int:
     """The right answer of a task that needs ``lesson_id``."""
     digest = hashlib.sha256(f"{seed}:code:{lesson_id}".encode()).digest()
     return 1000 + int.from_bytes(digest[:4], "big") % 9000
+
+
+def poison_of(lesson_id: str) -> str:
+    """The id of the poison for ``lesson_id``: a bullet carrying it makes every task that needs
+    the lesson fail, whether or not the prompt also carries the lesson (a wrong rule that
+    overrides the right one)."""
+    return f"poison.{lesson_id}"
+
+
+def poison_line(seed: int, lesson_id: str) -> str:
+    """A plausible wrong rule for the cases of ``lesson_id``, as a poisoned trace carries it."""
+    return marker_line(
+        poison_of(lesson_id), f"{lesson_text(seed, lesson_id)[:-1]}, but report the code plus one."
+    )
+
+
+def task_traces(
+    tasks: Sequence[Task], seed: int = 0, *, poisoned: Collection[str] = (), prefix: str = "t"
+) -> list[Trace]:
+    """One failed run of each simulated task, with the task's ground truth and its lesson in
+    the feedback (as the environment states it on a wrong answer). Tasks whose id is in
+    ``poisoned`` carry the poison of their lesson instead (a hostile or mistaken feedback)."""
+    out = []
+    for task in tasks:
+        lesson = task.metadata["lesson"]
+        bad = task.id in poisoned
+        out.append(
+            Trace(
+                key=task.family,
+                trace_id=f"{prefix}-{task.id}",
+                task=task.question,
+                output=str(int(task.answer) + 1),
+                feedback=Feedback(
+                    passed=False,
+                    score=0.0,
+                    ground_truth=task.answer,
+                    text=poison_line(seed, lesson) if bad else task.metadata["feedback"],
+                ),
+                metadata={"simulated": "true", "lesson_id": lesson},
+            )
+        )
+    return out
 
 
 def task_lesson(question: str) -> str | None:
@@ -62,4 +106,12 @@ def sim_tasks(n: int, keys: int, lessons: int, seed: int = 0, *, start: int = 0)
     return tasks
 
 
-__all__ = ["CASES", "sim_tasks", "task_code", "task_lesson"]
+__all__ = [
+    "CASES",
+    "poison_line",
+    "poison_of",
+    "sim_tasks",
+    "task_code",
+    "task_lesson",
+    "task_traces",
+]

@@ -1,0 +1,176 @@
+"""The replay gate: a candidate is published only if it answers the key's held-out tasks no
+worse than the version it extends.
+
+Each task (:mod:`combee_stream.core.holdout`) is answered under both prompts by an
+:class:`Evaluator`: the engine's own single-call agent (:class:`AgentEvaluator`, the ``agent``
+LLM role, scored against the trace's ground truth), or the user's (``gate.evaluator =
+"module:function"``, an async callable taking the rendered prompt and a
+:class:`~combee_stream.schemas.HeldOutTask` and returning a score in [0, 1]), in the manner of
+GEPA's adapters: the gate does not need to know how the agent works.
+
+The statistic (paired non-inferiority): with ``n`` tasks scored under both prompts, the
+candidate is accepted when ``n >= gate.min_samples`` and the one-sided lower confidence bound
+(at ``gate.confidence``) of the paired difference in mean score (candidate - current) is above
+``-gate.margin``. For 0/1 scores the bound is Agresti and Min's (2005) adjusted Wald interval
+for paired proportions: half a task added to each cell of the 2x2 table, so that with ``b``
+tasks lost and ``c`` gained, d = (c - b) / (n + 2) and var = (b + c + 1 - (c - b)^2 / (n + 2))
+/ (n + 2)^2. It uses the pairing (only discordant tasks count), and, unlike the plain Wald bound,
+it is not certain of anything with no discordant task: two prompts that agree on all n tasks
+have a bound of -z / (n + 2), so a margin of 0.1 needs about 15 tasks to accept a candidate
+that changes nothing, and one that loses one task of twenty is refused. (Newcombe's interval,
+what ``combee-stream eval`` reports, was tried first: its correlation is undefined when both
+prompts fail every task, as a new key's empty parent does, and it refused every early
+candidate; the plain Wald bound refused a candidate that gained one task of eight and accepted
+one that gained none.) For other scores it is the normal bound of the mean paired difference.
+
+The current version's answers are the same requests every time the key is reviewed, so the
+LLM client's completion memo answers them after the first review: a review costs about one
+agent call per task.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import statistics
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Final
+
+import anyio
+
+from combee_stream.agent.answerer import Answerer
+from combee_stream.config import GateConfig
+from combee_stream.core.gate import Candidate, Verdict
+from combee_stream.core.holdout import HoldoutPolicy, review_tasks
+from combee_stream.core.llm import LLMCallError, LLMClient
+from combee_stream.core.playbook import render
+from combee_stream.errors import ConfigError
+from combee_stream.schemas import GateReport, HeldOutTask
+from combee_stream.tasks.base import SCORERS
+
+Evaluator = Callable[[str, HeldOutTask], Awaitable[float]]
+NAME: Final = "replay"
+
+
+class AgentEvaluator:
+    """The engine's own agent: one structured call per task through the ``agent`` role,
+    scored 1 or 0 against the task's ground truth."""
+
+    def __init__(self, llm: LLMClient, scorer: str) -> None:
+        self._answerer = Answerer(llm)
+        self._score = SCORERS[scorer]
+
+    async def __call__(self, prompt: str, task: HeldOutTask) -> float:
+        answer = await self._answerer.answer(prompt, task.task)
+        return 1.0 if self._score(answer.output, task.answer) else 0.0
+
+
+def load_evaluator(spec: str) -> Evaluator:
+    """``module:function`` -> the async callable it names."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        found = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"gate.evaluator: cannot load {spec!r}: {exc}") from None
+    if not callable(found):
+        raise ConfigError(f"gate.evaluator: {spec!r} is not callable")
+    return found  # type: ignore[no-any-return]
+
+
+def lower_bound(current: Sequence[float], candidate: Sequence[float], confidence: float) -> float:
+    """One-sided lower confidence bound of mean(candidate) - mean(current), paired."""
+    n = len(current)
+    if n == 0:
+        return -1.0
+    z = statistics.NormalDist().inv_cdf(confidence)
+    if all(s in (0.0, 1.0) for s in [*current, *candidate]):
+        lost = sum(1 for a, b in zip(current, candidate, strict=True) if a > b)
+        gained = sum(1 for a, b in zip(current, candidate, strict=True) if b > a)
+        m = n + 2  # Agresti-Min: 0.5 added to each of the four cells
+        d = (gained - lost) / m
+        var = (lost + gained + 1 - (gained - lost) ** 2 / m) / m**2
+        return d - z * math.sqrt(max(0.0, var))
+    diffs = [b - a for a, b in zip(current, candidate, strict=True)]
+    mean = sum(diffs) / n
+    sd = statistics.stdev(diffs) if n > 1 else 0.0
+    return mean - z * sd / math.sqrt(n)
+
+
+class ReplayGate:
+    """:class:`~combee_stream.core.gate.PublishGate` that replays held-out tasks."""
+
+    name = NAME
+
+    def __init__(self, config: GateConfig, evaluate: Evaluator) -> None:
+        self._config = config
+        self._evaluate = evaluate
+        self._policy = HoldoutPolicy(config)
+
+    @classmethod
+    def from_config(cls, config: GateConfig, llm: LLMClient) -> ReplayGate:
+        if config.evaluator == "agent":
+            llm.require("agent")
+            return cls(config, AgentEvaluator(llm, config.scorer))
+        return cls(config, load_evaluator(config.evaluator))
+
+    async def review(self, candidate: Candidate) -> Verdict:
+        if not self._policy.applies(candidate.key):
+            return Verdict(accepted=True)
+        tasks = review_tasks(candidate.holdout)
+        cfg = self._config
+        if len(tasks) < cfg.min_samples:
+            return Verdict(
+                accepted=False,
+                reason=f"{len(tasks)} held-out task(s), fewer than gate.min_samples = "
+                f"{cfg.min_samples}: nothing unverified is published",
+            )
+        before, after = render(candidate.parent), render(candidate.playbook)
+        scores: dict[tuple[int, int], float] = {}
+        limiter = anyio.CapacityLimiter(cfg.concurrency)
+
+        async def score(index: int, which: int, prompt: str) -> None:
+            async with limiter:
+                value = await self._evaluate(prompt, tasks[index])
+            scores[index, which] = min(1.0, max(0.0, float(value)))
+
+        failure: list[BaseException] = []
+        try:
+            async with anyio.create_task_group() as tg:
+                for index in range(len(tasks)):
+                    tg.start_soon(score, index, 0, before)
+                    tg.start_soon(score, index, 1, after)
+        except* LLMCallError as group:
+            failure.extend(group.exceptions)
+        if failure:
+            # The gate cannot judge: refused like a failed test (the agent endpoint's outage
+            # is the LLM client's to report).
+            return Verdict(accepted=False, reason=f"evaluation failed: {failure[0]}")
+        current = [scores[i, 0] for i in range(len(tasks))]
+        new = [scores[i, 1] for i in range(len(tasks))]
+        lower = lower_bound(current, new, cfg.confidence)
+        accepted = lower > -cfg.margin
+        broke = [t.trace_id for t, a, b in zip(tasks, current, new, strict=True) if b < a]
+        n = len(tasks)
+        report = GateReport(
+            gate=NAME,
+            accepted=accepted,
+            n=n,
+            current=round(sum(current) / n, 4),
+            candidate=round(sum(new) / n, 4),
+            lower=round(lower, 4),
+            broke=broke,
+        )
+        reason = (
+            ""
+            if accepted
+            else f"worse on held-out tasks: accuracy {report.candidate:.3f} vs "
+            f"{report.current:.3f} (n={n}), lower bound {lower:+.3f} <= -{cfg.margin:g}; "
+            f"broke {len(broke)} task(s)"
+        )
+        holdout = candidate.holdout
+        if not accepted and holdout is not None and cfg.regression_size:
+            holdout = self._policy.regress(holdout, broke)
+        return Verdict(accepted=accepted, reason=reason, report=report, holdout=holdout)
+
+
+__all__ = ["NAME", "AgentEvaluator", "Evaluator", "ReplayGate", "load_evaluator", "lower_bound"]

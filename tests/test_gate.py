@@ -1,0 +1,189 @@
+"""The replay gate: held-out tasks chosen by trace-id hash, candidates tested on them against the
+version they extend, a poisoned candidate refused, a good one published; in process (the key
+pipeline and the simulator over in-process HTTP) and on the real broker (the engine)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+import msgspec
+import pytest
+from engine_support import engine_config, produce, read_updates
+
+from combee_stream.config import Config, GateConfig, LearningConfig
+from combee_stream.core.controller import FixedBatch
+from combee_stream.core.holdout import HoldoutPolicy, rank
+from combee_stream.core.learner import Learner
+from combee_stream.core.llm import LLMClient
+from combee_stream.core.pipeline import KeyPipeline, MemorySink, PipelineSettings, closed_inbox
+from combee_stream.core.replay import lower_bound
+from combee_stream.core.versions import KeyChain
+from combee_stream.engine import Engine
+from combee_stream.kafka.history import PRODUCTION, read_history
+from combee_stream.schemas import Feedback, PromptUpdate, Source, Trace
+from combee_stream.sim import IN_PROCESS_BASE_URL, SimSettings, sim_http_client, sim_server
+from combee_stream.sim import simulated_llm
+from combee_stream.sim.tasks import sim_tasks, task_traces
+
+KEY = "sim-k0"
+# Small held-out sets for a test: 12 tasks, and a margin that a candidate changing none of them
+# passes (bound -z/(n+2) = -0.12) while one losing a task fails (-0.23).
+GATE = GateConfig(
+    replay=True, holdout_fraction=0.3, min_samples=12, margin=0.15, scorer="exact"
+)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def test_the_bound_rewards_gains_and_refuses_losses() -> None:
+    def bound(n: int, lost: int, gained: int) -> float:
+        rest = n - lost - gained
+        before = [1.0] * lost + [0.0] * gained + [0.0] * rest
+        after = [0.0] * lost + [1.0] * gained + [0.0] * rest
+        return lower_bound(before, after, 0.95)
+
+    assert bound(20, 0, 0) > -0.1  # agreeing everywhere passes the default margin
+    assert bound(20, 1, 0) < -0.1  # losing one task of twenty does not
+    assert bound(8, 0, 2) > bound(8, 0, 1) > bound(8, 0, 0)  # more gained, never worse
+    assert bound(20, 2, 0) < bound(20, 1, 0)
+    # Scores that are not 0/1: the mean paired difference.
+    assert lower_bound([0.5] * 10, [0.5] * 10, 0.95) == 0.0
+    assert lower_bound([0.8, 0.6] * 5, [0.4, 0.2] * 5, 0.95) < -0.3
+
+
+def test_holdout_is_a_function_of_the_trace_id() -> None:
+    policy = HoldoutPolicy(GATE)
+    traces = task_traces(sim_tasks(400, 1, 20))
+    held = [t for t in traces if policy.held_out(t) is not None]
+    assert 0.2 < len(held) / len(traces) < 0.4  # about holdout_fraction
+    assert all(rank(t.trace_id) < 0.3 * 2**64 for t in held)
+    # Without a ground truth, or for a key the gate does not cover, nothing is held out.
+    bare = msgspec.structs.replace(held[0], feedback=Feedback(passed=False))
+    assert policy.held_out(bare) is None
+    other = HoldoutPolicy(msgspec.structs.replace(GATE, keys=["support-*"]))
+    assert other.held_out(held[0]) is None
+    # The sample is the lowest ranks, whatever the arrival order, and bounded.
+    tasks = [policy.held_out(t) for t in held]
+    small = HoldoutPolicy(msgspec.structs.replace(GATE, reservoir_size=10))
+    one, two = None, None
+    for task in tasks:
+        one = small.add(one, [task])  # type: ignore[list-item]
+    shuffled = list(tasks)
+    random.Random(3).shuffle(shuffled)
+    two = small.add(None, shuffled)  # type: ignore[arg-type]
+    assert one is not None and one == two and len(one.tasks) == 10
+    assert [t.rank for t in one.tasks] == sorted(t.rank for t in tasks)[:10]  # type: ignore[union-attr]
+
+
+@asynccontextmanager
+async def gated_learner(gate: GateConfig = GATE) -> AsyncIterator[Learner]:
+    cfg = Config(
+        llm=simulated_llm(IN_PROCESS_BASE_URL), learning=LearningConfig(seed=0), gate=gate
+    )
+    async with sim_http_client(SimSettings(seed=0)) as http:
+        llm = LLMClient(cfg.llm, http_client=http, env={})
+        try:
+            yield Learner.from_config(cfg, llm)
+        finally:
+            await llm.aclose()
+
+
+def poisoned_stream(good: int, poisoned: int, lessons: int = 12) -> list[Trace]:
+    """``good`` failed runs teaching the key's lessons, then ``poisoned`` whose feedback
+    carries a wrong rule for a lesson instead."""
+    tasks = sim_tasks(good + poisoned, 1, lessons)
+    return task_traces(tasks, poisoned={t.id for t in tasks[good:]})
+
+
+def consumed(updates: list[PromptUpdate]) -> Counter[str]:
+    return Counter(i for u in updates for i in [*u.stats.trace_ids, *u.stats.held_out])
+
+
+@pytest.mark.anyio
+async def test_a_poisoned_candidate_is_refused_and_a_good_one_published() -> None:
+    traces = poisoned_stream(96, 12)
+    items = [(t, Source(t.trace_id, 0, i)) for i, t in enumerate(traces)]
+    async with gated_learner() as learner:
+        sink = MemorySink()
+        pipeline = KeyPipeline(
+            KeyChain(KEY), learner, FixedBatch(12), sink, closed_inbox(items),
+            PipelineSettings(pipelined=False, max_windows_in_flight=1),
+        )  # fmt: skip
+        await pipeline.run()
+    updates = sink.updates
+    # Every trace consumed exactly once: learned, or held out (never both).
+    assert consumed(updates) == Counter(t.trace_id for t in traces)
+    held = {i for u in updates for i in u.stats.held_out}
+    assert held and not held & {i for u in updates for i in u.stats.trace_ids}
+    # No version ever carried the poison, though the poisoned traces were read and learned.
+    assert all("poison." not in u.prompt for u in updates)
+    reviewed = [u.stats.gate for u in updates if u.stats.gate is not None]
+    accepted = [g for g in reviewed if g.accepted]
+    refused = [u for u in updates if u.stats.gate is not None and not u.stats.gate.accepted]
+    assert accepted and any(g.candidate > g.current for g in accepted)
+    assert refused, "the poisoned window was published"
+    last = refused[-1]
+    assert last.stats.rejection is not None and last.stats.rejection.kind == "gate"
+    assert last.stats.gate is not None and last.stats.gate.broke
+    # Tasks the poisoned candidate broke are kept as regressions for later candidates.
+    assert last.holdout is not None
+    assert set(last.stats.gate.broke) <= {t.trace_id for t in last.holdout.regressions}
+    # Early windows, before the sample held min_samples tasks, were refused, not published.
+    first = updates[0]
+    assert first.stats.rejection is not None and "min_samples" in first.stats.rejection.reason
+    assert first.playbook.sections == [] or all(not s.bullets for s in first.playbook.sections)
+
+
+@pytest.mark.kafka
+@pytest.mark.anyio
+async def test_the_engine_never_serves_a_poisoned_candidate(config: Config, unique: str) -> None:
+    traces = poisoned_stream(96, 12)
+    good, bad = traces[:96], traces[96:]
+    async with sim_server(SimSettings(seed=0)) as llm:
+        cfg = engine_config(config, unique, llm.base_url, batch_size=12, max_wait_s=1.0)
+        cfg = msgspec.structs.replace(
+            cfg, gate=GATE, learning=msgspec.structs.replace(cfg.learning, seed=0)
+        )
+        engine = Engine(cfg)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.run)
+            await engine.started.wait()
+            await produce(cfg, good)
+            learned = await wait_consumed(cfg, {t.trace_id for t in good})
+            await produce(cfg, bad)
+            updates = await wait_consumed(cfg, {t.trace_id for t in traces})
+            engine.stop()
+    keyed = sorted((u for u in updates if u.key == KEY), key=lambda u: u.version)
+    assert consumed(keyed) == Counter(t.trace_id for t in traces)  # once each, none lost
+    assert all("poison." not in u.prompt for u in keyed)
+    good_lessons = lessons(learned)
+    assert len(good_lessons) >= 6, good_lessons  # the good stream was learned and published
+    after = [u for u in keyed if u.version > max(u.version for u in learned if u.key == KEY)]
+    refused = [u for u in after if u.stats.gate is not None and not u.stats.gate.accepted]
+    assert refused and refused[-1].stats.gate is not None and refused[-1].stats.gate.broke
+    # What agents are served (production) carries what was learned and no poison.
+    history = await read_history(cfg.kafka, KEY)
+    served = history.versions[history.resolve(PRODUCTION) or 0]
+    assert "poison." not in served.prompt and lessons([served]) >= good_lessons
+
+
+def lessons(updates: list[PromptUpdate]) -> set[str]:
+    newest = max((u for u in updates if u.key == KEY), key=lambda u: u.version)
+    return {line.split("LESSON[", 1)[1].split("]", 1)[0] for line in newest.prompt.splitlines()
+            if "LESSON[" in line}  # fmt: skip
+
+
+async def wait_consumed(cfg: Config, ids: set[str], limit_s: float = 180) -> list[PromptUpdate]:
+    with anyio.fail_after(limit_s):
+        while True:
+            updates = await read_updates(cfg)
+            if ids <= set(consumed(updates)):
+                return updates
+            await anyio.sleep(0.5)
