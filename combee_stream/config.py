@@ -282,6 +282,22 @@ class GateConfig(_Section):
     # travels with every version).
     max_task_chars: Positive = 2_000
     concurrency: Positive = 4  # evaluation calls in flight per review
+    # Live canary: a new version is served as `candidate` to this share of agent sessions
+    # (sticky, by a hash of the session id their subscriber is given) while production stays;
+    # the traces' own prompt_version and score decide: promoted or refused by a sequential
+    # test (engine/release.py). A refused line is reverted: the next version starts from
+    # production's playbook.
+    canary: bool = False
+    canary_fraction: Annotated[float, Meta(gt=0, lt=1)] = 0.1
+    # Automatic rollback: production's live score significantly below the version it
+    # replaced moves production back (recorded, with why) and the next version starts from it.
+    rollback: bool = False
+    # The sequential tests look after every this many new scored traces of the version under
+    # test (and need as many of the one it is compared with), at most live_max_looks times; each
+    # look tests at (1 - confidence) / live_max_looks, so the whole test errs at most 1 -
+    # confidence (Bonferroni). A canary not shown non-inferior by its last look is refused.
+    live_min_samples: Positive = 30
+    live_max_looks: Positive = 5
 
     def __post_init__(self) -> None:
         if self.evaluator != "agent" and ":" not in self.evaluator:

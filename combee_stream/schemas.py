@@ -283,6 +283,10 @@ class UpdateStats(Struct, forbid_unknown_fields=True, omit_defaults=True):
     # consumed by this version (in its watermark) but not learned.
     held_out: list[str] = []
     gate: GateReport | None = None  # what the replay gate measured, when it reviewed
+    # This version started from version N's playbook instead of its parent's (the live canary
+    # refused the parent's line, or production was rolled back to N): what the refused
+    # versions had added is gone from the prompt; their traces stay learned, not re-learned.
+    reverted_to: int | None = None
 
 
 class PromptUpdate(_Record, omit_defaults=True):
@@ -315,6 +319,9 @@ class Labels(_Record):
     previous: list[int | None] = []  # production's earlier targets, newest last (rollback)
     # Approval mode: production never follows latest; only `prompts promote` moves it.
     approval: bool = False
+    # The live canary: agents whose session hashes below this share get `candidate` when they
+    # ask for production (0: no canary). Written by the engine with the candidate label.
+    canary: float = 0.0
     seq: NonNegative = 0  # moves so far
     schema: int = SCHEMA_VERSION
 

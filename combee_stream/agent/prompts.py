@@ -62,10 +62,12 @@ class PromptClient:
         connect_timeout_s: float = 15.0,
         env: Mapping[str, str] | None = None,
         label: str = "production",
+        session: str | None = None,
     ) -> None:
         self._kafka = kafka
         self.key = key
         self.label = label  # which version to serve: production (default), latest, candidate...
+        self.session = session  # a session or agent id: places it in or out of a live canary
         self._snapshot = Path(snapshot) if snapshot is not None else None
         self._fallback = Prompt(
             key=key, text=fallback, version=-1, bullet_ids=[], source="fallback"
@@ -140,8 +142,9 @@ class PromptClient:
         while True:
             try:
                 async with PromptSubscriber(
-                    self._kafka, keys={self.key}, env=self._env, label=self.label
-                ) as sub:
+                    self._kafka, keys={self.key}, env=self._env, label=self.label,
+                    session=self.session,
+                ) as sub:  # fmt: skip
                     self.connected = True
                     attempt = 0
                     latest = sub.latest(self.key)

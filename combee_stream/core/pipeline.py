@@ -44,9 +44,9 @@ from combee_stream.core.learner import (
     WindowStats,
 )
 from combee_stream.core.prompts import ReflectionRecord
-from combee_stream.core.versions import KeyChain, WindowInfo
+from combee_stream.core.versions import KeyChain, WindowInfo, revert_onto
 from combee_stream.logs import get_logger
-from combee_stream.schemas import HeldOutTask, PromptUpdate, Source, Trace
+from combee_stream.schemas import HeldOutTask, Playbook, PromptUpdate, Source, Trace
 
 log = get_logger(__name__)
 
@@ -171,6 +171,7 @@ class KeyPipeline:
         self._previous_done.set()
         self._windows = 0
         self._stopped = False  # the sink refused a version: publish nothing more
+        self._revert: tuple[int, Playbook] | None = None  # the next window starts from this
         self.finished = anyio.Event()
 
     async def run(self) -> None:
@@ -186,6 +187,11 @@ class KeyPipeline:
                     await self._assemble(tg)
             finally:
                 self.finished.set()
+
+    def revert_to(self, version: int, playbook: Playbook) -> None:
+        """Commit the next window onto ``playbook`` (of ``version``) instead of the newest (the
+        live canary refused the line since that version, or production was rolled back to it)."""
+        self._revert = (version, playbook)
 
     def idle_for(self) -> float:
         """Seconds since the key last had work (0 while a window is open or in flight)."""
@@ -326,15 +332,21 @@ class KeyPipeline:
         holdout = self.chain.holdout
         if window.held and self._learner.holdout is not None:
             holdout = self._learner.holdout.add(holdout, window.held.values())
+        onto, revert = self.chain.playbook, self._revert
+        if revert is not None:
+            onto = revert_onto(onto, revert[1])
         # Rebased onto the newest version when an earlier window was published meanwhile.
         result = await self._learner.commit(
-            proposal, self.chain.playbook, holdout=holdout, held_out=sorted(window.held)
+            proposal, onto, holdout=holdout, held_out=sorted(window.held)
         )
         window.result = result
         delay = anyio.current_time() - window.closed_at
-        update = self.chain.next_update(
-            result, WindowInfo(batch_size=window.batch_size, delay_s=delay)
+        info = WindowInfo(
+            batch_size=window.batch_size,
+            delay_s=delay,
+            reverted_to=revert[0] if revert is not None else None,
         )
+        update = self.chain.next_update(result, info)
         if update is None:
             return
         if not await self._sink.publish(self.chain, update, window):
@@ -342,6 +354,8 @@ class KeyPipeline:
             log.info("window abandoned: the sink no longer takes versions", window=window.number)
             return
         self.chain.advance(update)
+        if self._revert is revert:
+            self._revert = None
         self.policy.observe(len(window.items), max(1e-6, delay))
 
     async def _park(self, window: Window, failed: Sequence[FailedTrace], stage: str) -> None:

@@ -34,6 +34,7 @@ from combee_stream.schemas import (
     Holdout,
     Playbook,
     PromptUpdate,
+    Section,
     UpdateStats,
     decode,
     encode,
@@ -46,6 +47,7 @@ class WindowInfo(Struct, frozen=True, kw_only=True):
 
     batch_size: int  # what the batch-size policy chose for it
     delay_s: float  # wall seconds from its close to now (driver-specific)
+    reverted_to: int | None = None  # committed onto this version's playbook (see revert_onto)
 
 
 class KeyChain:
@@ -163,6 +165,7 @@ class KeyChain:
                 rejection=result.rejection,
                 held_out=[s.trace_id for s in result.held_out],
                 gate=result.report,
+                reverted_to=window.reverted_to,
             ),
             watermark=watermark,
             created_at=utcnow(),
@@ -176,6 +179,19 @@ class KeyChain:
                 f"{self.key}: cannot advance v{self.version} to {update.key} v{update.version}"
             )
         self.newest = update
+
+
+def revert_onto(newest: Playbook, target: Playbook) -> Playbook:
+    """``target``'s bullets under ``newest``'s version number: what a window is committed onto
+    when the key's line since ``target`` was refused (canary) or rolled back. Bullet ids are
+    never reused (``next_id`` only grows)."""
+    return Playbook(
+        key=newest.key,
+        version=newest.version,
+        base_prompt=target.base_prompt,
+        sections=decode(encode(target.sections), list[Section]),
+        next_id=max(newest.next_id, target.next_id),
+    )
 
 
 def _consumed(update: PromptUpdate) -> list[str]:
@@ -223,4 +239,4 @@ def seed_update(key: str, text: str, current: PromptUpdate | None) -> PromptUpda
     )
 
 
-__all__ = ["KeyChain", "WindowInfo", "seed_update"]
+__all__ = ["KeyChain", "WindowInfo", "revert_onto", "seed_update"]

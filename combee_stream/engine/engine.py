@@ -12,7 +12,9 @@ anyio task group (nothing outside it):
   work); the restorer reads the same partition of the compacted prompts topic, restores every
   key's newest version and watermark, then resumes the partition. A partition whose restore
   cannot read the topic is never resumed with empty state;
-- **committer** — commits, per owned partition, the low watermark of unfinished offsets.
+- **committer** — commits, per owned partition, the low watermark of unfinished offsets;
+- **releaser** (:mod:`combee_stream.engine.release`, with ``gate.canary`` / ``gate.rollback``)
+  — live scores per version from the traces read, the canary and automatic rollback.
 
 Guarantees (see the README's "Guarantees" section): every trace is learned exactly once across
 crashes, restarts and rebalances, because (1) offsets are committed only below work whose
@@ -40,13 +42,15 @@ from combee_stream.engine.intake import MAX_POLL_RECORDS, Intake
 from combee_stream.engine.metrics import EngineMetrics
 from combee_stream.engine.partition import KeyIndex, Partitions, PartitionState
 from combee_stream.engine.publisher import Publisher
+from combee_stream.engine.release import Releaser
 from combee_stream.errors import EngineHalted
 from combee_stream.kafka.client import client_kwargs, start_client, stop_quietly
+from combee_stream.kafka.history import partition_of
 from combee_stream.kafka.reader import UpdateFetcher
 from combee_stream.kafka.subscriber import PromptSubscriber
 from combee_stream.kafka.topics import ensure_topics
 from combee_stream.logs import get_logger
-from combee_stream.schemas import PromptUpdate
+from combee_stream.schemas import Playbook, PromptUpdate
 
 log = get_logger(__name__)
 
@@ -96,7 +100,17 @@ class Engine:
             heartbeat_interval_ms=max(300, kafka.session_timeout_ms // 4),
         )
         self._partitions: Partitions = {}
-        self._publisher = Publisher(config, self._partitions, self.metrics, self._llm, env)
+        self._release = Releaser(
+            config, self.metrics, revert=self._revert, owned=self._owns, env=env
+        )
+        self._publisher = Publisher(
+            config,
+            self._partitions,
+            self.metrics,
+            self._llm,
+            env,
+            on_published=self._release.published if self._release.enabled else None,
+        )
         learner = Learner.from_config(config, self._llm)
         self._intake = Intake(
             config,
@@ -107,6 +121,7 @@ class Engine:
             self.metrics,
             outage=lambda: self._llm.outage,
             fetch=self._fetch,
+            observe=self._release.observe if self._release.enabled else None,
         )
         self._fetcher = UpdateFetcher(kafka, env)
         self._generation = 0
@@ -142,6 +157,8 @@ class Engine:
                     tg.start_soon(self._serve_metrics)
                 tg.start_soon(self._restorer)
                 tg.start_soon(self._committer)
+                if self._release.enabled:
+                    tg.start_soon(self._release.run)
                 self.started.set()
                 log.info(
                     "engine started",
@@ -204,6 +221,21 @@ class Engine:
             log.info("metrics endpoint", url=f"{url}/metrics")
             await anyio.sleep_forever()
 
+    # ------------------------------------------------------------------ releases
+
+    def _owns(self, key: str) -> bool:
+        state = self._partitions.get(partition_of(key, self.config.kafka.partitions))
+        return state is not None and state.owned
+
+    def _revert(self, key: str, version: int, playbook: Playbook) -> bool:
+        """The key's next window starts from ``playbook`` (version ``version``); False when the
+        key has no pipeline here (its next owner or next start reads the newest version, and a
+        canary refuses that line again)."""
+        entry = self._intake.keys.get(key)
+        if entry is not None:
+            entry.pipeline.revert_to(version, playbook)
+        return entry is not None
+
     # ------------------------------------------------------------------ rebalancing
 
     async def _assign(self, partitions: Sequence[int]) -> None:
@@ -231,6 +263,9 @@ class Engine:
             self._partitions.pop(p, None)
             if self._tg is not None:
                 self._publisher.drop_partition(p, self._tg)
+        for key, entry in self._intake.keys.items():
+            if entry.chain.partition in partitions:
+                self._release.forget(key)
         self._intake.drop_partitions(partitions)
         self.metrics.health.assigned = any(s.restored.is_set() for s in self._partitions.values())
         log.info("partitions revoked", partitions=sorted(partitions))

@@ -35,7 +35,7 @@ from combee_stream.formats import get_format
 from combee_stream.kafka.dlq import DeadLetter
 from combee_stream.kafka.ingest import classify
 from combee_stream.logs import get_logger
-from combee_stream.schemas import PromptUpdate
+from combee_stream.schemas import PromptUpdate, Trace
 
 log = get_logger(__name__)
 
@@ -86,8 +86,10 @@ class Intake:
         metrics: EngineMetrics,
         outage: Callable[[], bool] = lambda: False,
         fetch: Callable[[int, KeyIndex, str], Awaitable[PromptUpdate | None]] | None = None,
+        observe: Callable[[Trace], None] | None = None,
     ) -> None:
         self._fetch = fetch
+        self._observe = observe  # every new trace of a key, before it is learned (live scores)
         self._swept_at = 0.0
         self._config = config
         self._outage = outage
@@ -216,6 +218,8 @@ class Intake:
             log.info("duplicate trace skipped", key=key, trace_id=item.trace.trace_id)
             part.offsets.done(record.offset)
             return
+        if self._observe is not None:
+            self._observe(item.trace)
         entry.inbox.send_nowait(Pending(item.trace, item.source, anyio.current_time()))
 
     def _start_key(self, key: str, part: PartitionState) -> KeyEntry:

@@ -56,8 +56,11 @@ class Publisher:
         metrics: EngineMetrics,
         llm: LLMClient,
         env: Mapping[str, str] | None = None,
+        *,
+        on_published: Callable[[PromptUpdate], None] | None = None,
     ) -> None:
         self._config = config
+        self._on_published = on_published  # told of each version once it is durable
         self._partitions = partitions
         self._metrics = metrics
         self._llm = llm
@@ -178,6 +181,8 @@ class Publisher:
             log.info("partition revoked: window abandoned", key=chain.key, window=window.number)
             return False
         self._observe(update, window)
+        if self._on_published is not None:
+            self._on_published(update)
         return True
 
     async def park(

@@ -19,6 +19,7 @@ with no version; any other label points at one version.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -34,6 +35,7 @@ from combee_stream.schemas import LabelMove, Labels, PromptUpdate, decode, encod
 
 LATEST: Final = "latest"
 PRODUCTION: Final = "production"
+CANDIDATE: Final = "candidate"
 _LABELS: Final = "#labels"
 _MOVE: Final = "#move#"
 _PREVIOUS_KEPT: Final = 20
@@ -75,10 +77,25 @@ class KeyHistory(msgspec.Struct, kw_only=True):
         return resolve(self.labels, label, self.newest)
 
 
-def resolve(labels: Labels, label: str, newest: int | None) -> int | None:
+def in_canary(session: str, fraction: float) -> bool:
+    """Whether the agent session ``session`` is in the canary share ``fraction``: a hash of the
+    id, so a session keeps its side for as long as the canary runs."""
+    digest = hashlib.sha256(f"canary:{session}".encode()).digest()[:8]
+    return int.from_bytes(digest, "big") < fraction * 2**64
+
+
+def resolve(
+    labels: Labels, label: str, newest: int | None, session: str | None = None
+) -> int | None:
+    """The version ``label`` points at; an agent ``session`` in the canary share asking for
+    production gets the candidate while a canary runs."""
     if label == LATEST:
         return newest
     if label == PRODUCTION:
+        candidate = labels.labels.get(CANDIDATE)
+        if session and labels.canary > 0 and candidate is not None:
+            if in_canary(session, labels.canary):
+                return candidate
         return newest if labels.production is None else labels.production
     return labels.labels.get(label)
 
@@ -207,20 +224,80 @@ async def move_label(
         why=why,
         at=dt.datetime.now(dt.UTC),
     )
+    await _write(cfg, key, moved, [move], env)
+    return move
+
+
+async def engine_move(
+    cfg: KafkaConfig,
+    key: str,
+    changes: Mapping[str, int | None],
+    *,
+    why: str,
+    canary: float | None = None,
+    by: str = "combee-stream engine",
+    env: Mapping[str, str] | None = None,
+) -> KeyHistory:
+    """The engine's own moves (the live canary, automatic rollback), read fresh and written in
+    one transaction: each label of ``changes`` to its version (production: pinned there, 0 for
+    "nothing yet"; another label: None removes it), the canary share if given, one audit record
+    per label that moved. Returns the history as it is afterwards."""
+    history = await read_history(cfg, key, env)
+    labels, moves = history.labels, []
+    for label, to in changes.items():
+        before = resolve(labels, label, history.newest)
+        if label == PRODUCTION:
+            if to == labels.production:
+                continue
+            previous = [*labels.previous, labels.production][-_PREVIOUS_KEPT:]
+            labels = msgspec.structs.replace(labels, production=to, previous=previous)
+        else:
+            if labels.labels.get(label) == to:
+                continue
+            others = {k: v for k, v in labels.labels.items() if k != label}
+            if to is not None:
+                others[label] = to
+            labels = msgspec.structs.replace(labels, labels=others)
+        seq = labels.seq + 1
+        labels = msgspec.structs.replace(labels, seq=seq)
+        moves.append(
+            LabelMove(
+                key=key, seq=seq, label=label, from_version=before, to_version=to, by=by,
+                why=why, at=dt.datetime.now(dt.UTC),
+            )
+        )  # fmt: skip
+    if canary is not None and canary != labels.canary:
+        labels = msgspec.structs.replace(labels, canary=canary)
+    if labels != history.labels:
+        await _write(cfg, key, labels, moves, env)
+        history.labels = labels
+        history.moves.extend(moves)
+    return history
+
+
+async def _write(
+    cfg: KafkaConfig,
+    key: str,
+    labels: Labels,
+    moves: list[LabelMove],
+    env: Mapping[str, str] | None,
+) -> None:
+    """The labels and the audit records of their moves, in one transaction."""
     from combee_stream.kafka.producer import make_producer  # (producer imports this module)
 
     partition = partition_of(key, cfg.partitions)
-    # One transactional id per key: two operators moving one key's labels at once are
+    # One transactional id per key: two writers moving one key's labels at once are
     # serialised (the later one fences the earlier), and a move is all or nothing.
     producer = make_producer(cfg, env, transactional_id=f"combee-labels.{cfg.history_topic}.{key}")
     await start_client(producer, cfg)
     try:
         async with producer.transaction():
-            await _send(producer, cfg, partition, f"{key}{_LABELS}".encode(), encode(moved))
-            await _send(producer, cfg, partition, f"{key}{_MOVE}{seq:08d}".encode(), encode(move))
+            await _send(producer, cfg, partition, f"{key}{_LABELS}".encode(), encode(labels))
+            for move in moves:
+                name = f"{key}{_MOVE}{move.seq:08d}".encode()
+                await _send(producer, cfg, partition, name, encode(move))
     finally:
         await stop_quietly(producer)
-    return move
 
 
 async def _send(
@@ -230,10 +307,13 @@ async def _send(
 
 
 __all__ = [
+    "CANDIDATE",
     "LATEST",
     "PRODUCTION",
     "KeyHistory",
+    "engine_move",
     "history_records",
+    "in_canary",
     "move_label",
     "parse",
     "partition_of",

@@ -19,7 +19,8 @@ ask for; ``PromptClient`` does) or another label, or ``version=N`` (pinned), ``l
 the version the label points at, read from the history topic when it is not the newest, and
 iterating yields an update whenever the version served changes (a new version while production
 follows latest, a promotion, a rollback). Without either it is the newest version (the engine's
-restore and ``inspect`` read it so).
+restore and ``inspect`` read it so). Given a ``session`` id, a subscriber asking for production
+is served the candidate while a live canary runs and the session hashes into its share.
 """
 
 from __future__ import annotations
@@ -57,10 +58,14 @@ class PromptSubscriber:
         poll_timeout_ms: int = 500,
         label: str | None = None,
         version: int | None = None,
+        session: str | None = None,
     ) -> None:
         if label is not None and version is not None:
             raise ValueError("ask for a label or pin a version, not both")
         self._cfg = cfg
+        # The agent's session (or agent) id: with it, asking for production during a live
+        # canary serves the candidate to the sessions in the canary share (sticky by hash).
+        self._session = session
         self._label = label
         self._version = version
         self._history: dict[str, KeyHistory] = {}
@@ -194,7 +199,7 @@ class PromptSubscriber:
                 [*(history.versions if history else ()), *([newest.version] if newest else [])],
                 default=None,
             )
-            target = resolve(labels, self._label, top)
+            target = resolve(labels, self._label, top, self._session)
         if target is None:
             return None
         if newest is not None and newest.version == target:
