@@ -160,6 +160,13 @@ class LearningConfig(_Section):
     fan_in: Annotated[int, Meta(ge=0)] = 0  # 0 = k = floor(sqrt(n)) groups
     combine: Literal["union", "llm"] = "union"
     token_budget: Positive = 80_000
+    # When a window would leave the playbook above this share of token_budget, it is first
+    # consolidated: per section, near-duplicate bullets are merged by the curator's endpoint
+    # (keeping their specifics, their counts and provenance), and bullets whose harmful count
+    # exceeds their helpful count by drop_harmful_margin or more are dropped. Nothing else is
+    # rewritten and nothing is truncated. 0 = never (windows past the budget are rejected).
+    consolidate_at: Annotated[float, Meta(ge=0, le=1)] = 0.8
+    drop_harmful_margin: Positive = 3
     # A proposed bullet longer than this is refused (skipped as too_long): a lesson is a rule,
     # not a document, and one trace must not fill the prompt of every agent of its key.
     max_bullet_chars: Positive = 2000

@@ -244,6 +244,16 @@ class GateReport(Struct, frozen=True, forbid_unknown_fields=True):
     broke: list[str] = []  # trace ids of the tasks right before and wrong under the candidate
 
 
+class Consolidation(Struct, frozen=True, forbid_unknown_fields=True):
+    """What consolidating a playbook near its budget did (``learning.consolidate_at``)."""
+
+    tokens_before: int
+    tokens_after: int
+    merged: list[list[str]] = []  # groups of bullet ids merged into the first of each
+    dropped: list[str] = []  # bullets dropped for being clearly harmful
+    refused: int = 0  # proposed merges not carried out (unknown ids, too long, policy)
+
+
 class UpdateStats(Struct, forbid_unknown_fields=True, omit_defaults=True):
     """What one version learned and what its window cost (fields at their defaults are left
     out of the JSON, so a field added later does not trouble an older reader).
@@ -287,6 +297,7 @@ class UpdateStats(Struct, forbid_unknown_fields=True, omit_defaults=True):
     # refused the parent's line, or production was rolled back to N): what the refused
     # versions had added is gone from the prompt; their traces stay learned, not re-learned.
     reverted_to: int | None = None
+    consolidated: Consolidation | None = None  # the playbook was consolidated first
 
 
 class PromptUpdate(_Record, omit_defaults=True):
@@ -375,6 +386,7 @@ __all__ = [
     "BudgetRejection",
     "Bullet",
     "BulletTag",
+    "Consolidation",
     "DecodeError",
     "Delta",
     "Feedback",

@@ -23,6 +23,7 @@ BLOCKS: Final = (
     "reflections",
     "partial_updates",
     "question",
+    "section_bullets",
 )
 CONTINUATION: Final = "  | "
 _TAG = re.compile(r"<\s*(/?)\s*(" + "|".join(BLOCKS) + r")\s*>", re.IGNORECASE)

@@ -62,18 +62,25 @@ from msgspec import Struct
 
 from combee_stream.config import Config, LearningConfig
 from combee_stream.core.delta import empty, merge, rebase
-from combee_stream.core.gate import AcceptAll, Candidate, PublishGate, gate_from_config
+from combee_stream.core.gate import AcceptAll, Candidate, PublishGate, Verdict, gate_from_config
 from combee_stream.core.holdout import HoldoutPolicy
 from combee_stream.core.hygiene import compile_policy, review_adds, violates
 from combee_stream.core.llm import ChatMessage, Completion, LLMCallError, LLMClient, Role
-from combee_stream.core.outputs import CuratorOutput, ReflectorOutput, ReflectorOutputNoTags
+from combee_stream.core.outputs import (
+    ConsolidatorOutput,
+    CuratorOutput,
+    ReflectorOutput,
+    ReflectorOutputNoTags,
+)
 from combee_stream.core.playbook import (
+    MAX_BULLET_SOURCES,
     ApplyResult,
     EmbedFn,
     SkippedOp,
     SkipReason,
     apply,
     apply_semantic,
+    copy_playbook,
     playbook_tokens,
     render,
 )
@@ -81,6 +88,7 @@ from combee_stream.core.prompts import (
     Prompts,
     ReflectionRecord,
     combiner_messages,
+    consolidator_messages,
     curator_messages,
     load_prompts,
     reflector_messages,
@@ -94,8 +102,11 @@ from combee_stream.core.scan import (
     strategy,
 )
 from combee_stream.errors import CombeeError
+from combee_stream.logs import get_logger
 from combee_stream.schemas import (
+    BudgetRejection,
     BulletTag,
+    Consolidation,
     Delta,
     GateRejection,
     GateReport,
@@ -104,6 +115,7 @@ from combee_stream.schemas import (
     Playbook,
     Reflection,
     Rejection,
+    Section,
     SizeRejection,
     Source,
     Trace,
@@ -112,6 +124,7 @@ from combee_stream.schemas import (
 )
 
 T = TypeVar("T")
+log = get_logger(__name__)
 
 
 class LLM(Protocol):
@@ -160,6 +173,8 @@ class WindowStats(Struct):
     uncited_tags: int = 0  # reflector tags of bullets the trace did not cite (dropped)
     stale_by: int = 0  # versions between the snapshot and the playbook it was committed to
     delay_s: float = 0.0
+    consolidator_calls: int = 0  # consolidation passes (one per section), on the curator's endpoint
+    consolidation: Consolidation | None = None
 
 
 class Proposal(Struct):
@@ -487,51 +502,78 @@ class Learner:
         if onto.version != delta.base_version:
             delta = rebase(delta, onto)
         result = await self._apply(onto, delta, proposal.tasks)
+        # Near the budget: the window's result is consolidated (its own near-duplicates and the
+        # playbook's); if even that does not fit, the playbook alone is, and the window applied
+        # onto it. One version either way; the gate reviews it whole.
+        base, consolidation = onto, None
+        if self._near_budget(onto, result):
+            full = await self._apply(onto, delta, proposal.tasks, budget=None)
+            merged, consolidation = await self.consolidate(full.playbook, stats)
+            tokens = playbook_tokens(merged)
+            if consolidation is not None and tokens <= self._config.token_budget:
+                kept = {b.id for s in merged.sections for b in s.bullets}
+                result = msgspec.structs.replace(
+                    full,
+                    playbook=merged,
+                    tokens=tokens,
+                    added=[i for i in full.added if i in kept],
+                    updated=[i for i in full.updated if i in kept],
+                )
+            else:
+                base, consolidation = await self.consolidate(onto, stats)
+                if consolidation is not None:
+                    result = await self._apply(base, delta, proposal.tasks)
         applied_delta = delta
         report: GateReport | None = None
         rejection: Rejection | None = result.rejected
+
+        def keep_only(with_tags: bool) -> Delta:
+            tags = delta.tags if with_tags else []
+            return Delta(key=onto.key, tags=tags, sources=delta.sources, base_version=onto.version)
+
+        async def review(playbook: Playbook) -> Verdict:
+            return await self._gate.review(
+                Candidate(
+                    key=onto.key, parent=onto, playbook=playbook, delta=delta,
+                    reflections=proposal.reflections, holdout=holdout,
+                )
+            )  # fmt: skip
+
         fallbacks: list[Delta] = []
         if not result.applied:
-            fallbacks = [
-                Delta(
-                    key=onto.key, tags=delta.tags, sources=delta.sources, base_version=onto.version
-                ),
-                Delta(key=onto.key, sources=delta.sources, base_version=onto.version),
-            ]
+            fallbacks = [keep_only(True), keep_only(False)]
         elif (
             self._max_update_bytes is not None
             and (size := update_size(result.playbook)) > self._max_update_bytes
         ):
             rejection = SizeRejection(limit=self._max_update_bytes, would_be=size)
-            fallbacks = [
-                Delta(
-                    key=onto.key, tags=delta.tags, sources=delta.sources, base_version=onto.version
-                ),
-                Delta(key=onto.key, sources=delta.sources, base_version=onto.version),
-            ]
+            fallbacks = [keep_only(True), keep_only(False)]
         else:
-            verdict = await self._gate.review(
-                Candidate(
-                    key=onto.key,
-                    parent=onto,
-                    playbook=result.playbook,
-                    delta=delta,
-                    reflections=proposal.reflections,
-                    holdout=holdout,
-                )
-            )
+            verdict = await review(result.playbook)
             report = verdict.report
             if verdict.holdout is not None:
                 holdout = verdict.holdout
             if not verdict.accepted:
                 rejection = GateRejection(gate=self._gate.name, reason=verdict.reason)
-                fallbacks = [Delta(key=onto.key, sources=delta.sources, base_version=onto.version)]
+                base, consolidation = onto, None  # nothing of the candidate is kept
+                fallbacks = [keep_only(False)]
         for fallback in fallbacks:
-            attempt = apply(onto, fallback, token_budget=self._config.token_budget)
+            attempt = apply(base, fallback, token_budget=self._config.token_budget)
             if attempt.applied:
                 applied_delta = fallback
                 result = msgspec.structs.replace(attempt, rejected=result.rejected)
                 break
+        if consolidation is not None and rejection is not None and rejection.kind != "gate":
+            # The window did not fit even so; the consolidation alone is still a change of the
+            # prompt, reviewed like any.
+            verdict = await review(result.playbook)
+            report = verdict.report or report
+            if not verdict.accepted:
+                rejection = GateRejection(gate=self._gate.name, reason=verdict.reason)
+                consolidation = None
+                result = apply(onto, keep_only(False), token_budget=None)
+                applied_delta = keep_only(False)
+        stats.consolidation = consolidation
         stats.delay_s += anyio.current_time() - started
         return WindowResult(
             playbook=result.playbook,
@@ -547,7 +589,95 @@ class Learner:
             holdout=holdout,
         )
 
-    async def _apply(self, snapshot: Playbook, delta: Delta, tasks: Sequence[str]) -> ApplyResult:
+    def _near_budget(self, onto: Playbook, result: ApplyResult) -> bool:
+        share = self._config.consolidate_at
+        if share <= 0:
+            return False
+        line = share * self._config.token_budget
+        if isinstance(result.rejected, BudgetRejection):
+            return True
+        return playbook_tokens(onto) >= line or (result.applied and result.tokens >= line)
+
+    async def consolidate(
+        self, playbook: Playbook, stats: WindowStats
+    ) -> tuple[Playbook, Consolidation | None]:
+        """``playbook`` with, per section, the near-duplicates the consolidator names merged
+        into the first of each group (its id, the group's summed counts and provenance), and
+        the bullets whose harmful count exceeds their helpful count by
+        ``learning.drop_harmful_margin`` dropped; None when that changes nothing. A merge that
+        names unknown or already merged bullets, or whose text is too long or breaks the
+        content policy, is refused; a section whose call fails is left as it is."""
+        before = playbook_tokens(playbook)
+        out = copy_playbook(playbook)
+        margin = self._config.drop_harmful_margin
+        dropped = [b.id for s in out.sections for b in s.bullets if b.harmful >= b.helpful + margin]
+        for section in out.sections:
+            section.bullets = [b for b in section.bullets if b.id not in dropped]
+        limit = self._config.max_bullet_chars
+        proposals: dict[int, ConsolidatorOutput] = {}
+
+        async def ask(index: int, section: Section) -> None:
+            messages = consolidator_messages(self._prompts, section, limit)
+            stats.llm_calls += 1
+            stats.consolidator_calls += 1
+            try:
+                completion = await self._llm.complete("curator", messages, ConsolidatorOutput)
+            except LLMCallError as exc:
+                log.warning(
+                    "consolidation of a section failed", section=section.name, error=str(exc)
+                )
+                return
+            stats.cached_calls += int(completion.cached)
+            stats.tokens_in += completion.tokens_in
+            stats.tokens_out += completion.tokens_out
+            proposals[index] = completion.value
+
+        async with anyio.create_task_group() as tg:
+            for index, section in enumerate(out.sections):
+                if len(section.bullets) > 1:
+                    tg.start_soon(ask, index, section)
+        merged: list[list[str]] = []
+        refused = 0
+        for index, proposal in sorted(proposals.items()):
+            section = out.sections[index]
+            for group_of in proposal.merges:
+                by_id = {b.id: b for b in section.bullets}
+                ids = list(dict.fromkeys(group_of.bullet_ids))
+                text = group_of.content.strip()
+                if (
+                    len(ids) < 2
+                    or any(i not in by_id for i in ids)
+                    or not text
+                    or len(text) > limit
+                    or violates(text, self._policy)
+                ):
+                    refused += 1
+                    continue
+                group = [by_id[i] for i in ids]
+                survivor = group[0]
+                survivor.content = text
+                survivor.helpful = sum(b.helpful for b in group)
+                survivor.harmful = sum(b.harmful for b in group)
+                sources = [src for b in group for src in b.sources]
+                survivor.sources = list(dict.fromkeys(sources))[:MAX_BULLET_SOURCES]
+                section.bullets = [b for b in section.bullets if b.id not in ids[1:]]
+                merged.append(ids)
+        if not merged and not dropped:
+            return playbook, None
+        report = Consolidation(
+            tokens_before=before,
+            tokens_after=playbook_tokens(out),
+            merged=merged,
+            dropped=dropped,
+            refused=refused,
+        )
+        return out, report
+
+    async def _apply(
+        self, snapshot: Playbook, delta: Delta, tasks: Sequence[str], *, budget: int | None = -1
+    ) -> ApplyResult:
+        """The bullet review, then the delta applied within ``budget`` (default: the token
+        budget; None: no limit)."""
         limit, policy = self._config.max_bullet_chars, self._policy
         rejected = review_adds(snapshot, delta, tasks, max_chars=limit, policy=policy)
         refused: list[SkippedOp] = []
@@ -561,14 +691,14 @@ class Learner:
             drop = [r.op for r in refused]
             kept = [op for op in delta.operations if op not in drop]
             delta = msgspec.structs.replace(delta, operations=kept)
-        result = await self._apply_reviewed(snapshot, delta, rejected)
+        limit_tokens = self._config.token_budget if budget == -1 else budget
+        result = await self._apply_reviewed(snapshot, delta, rejected, limit_tokens)
         result.skipped = [*result.skipped, *refused]
         return result
 
     async def _apply_reviewed(
-        self, snapshot: Playbook, delta: Delta, rejected: dict[int, SkipReason]
+        self, snapshot: Playbook, delta: Delta, rejected: dict[int, SkipReason], budget: int | None
     ) -> ApplyResult:
-        budget = self._config.token_budget
         if self._embed is None:
             return apply(snapshot, delta, token_budget=budget, skip_adds=rejected)
         try:

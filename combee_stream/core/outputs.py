@@ -37,6 +37,20 @@ class CuratorOutput(Struct, forbid_unknown_fields=False):
     operations: list[Operation]
 
 
+class Merge(Struct, forbid_unknown_fields=False):
+    """Bullets of one section that say the same thing, and the one bullet replacing them."""
+
+    bullet_ids: list[str]
+    content: str
+
+
+class ConsolidatorOutput(Struct, forbid_unknown_fields=False):
+    """What the consolidator proposes for one section near the budget: merges only."""
+
+    reasoning: str
+    merges: list[Merge] = []
+
+
 ROLE_OUTPUTS: dict[str, type[Struct]] = {
     "reflector": ReflectorOutput,
     "curator": CuratorOutput,
@@ -44,4 +58,11 @@ ROLE_OUTPUTS: dict[str, type[Struct]] = {
 }
 
 
-__all__ = ["ROLE_OUTPUTS", "CuratorOutput", "ReflectorOutput", "ReflectorOutputNoTags"]
+__all__ = [
+    "ROLE_OUTPUTS",
+    "ConsolidatorOutput",
+    "CuratorOutput",
+    "Merge",
+    "ReflectorOutput",
+    "ReflectorOutputNoTags",
+]

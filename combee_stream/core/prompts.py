@@ -1,12 +1,15 @@
-"""The reflector, curator and combiner prompts, in one place, versioned and overridable.
+"""The reflector, curator, combiner and consolidator prompts, in one place, versioned and
+overridable.
 
-The wording lives in ``combee_stream/core/prompts/{reflector,curator,combiner}.md`` (package
-data). A template has a system part and a user part, split by the lines ``<!-- system -->`` and
-``<!-- user -->`` (a file without them is all user message), and ``{placeholders}``:
+The wording lives in ``combee_stream/core/prompts/{reflector,curator,combiner,consolidator}.md``
+(package data). A template has a system part and a user part, split by the lines
+``<!-- system -->`` and ``<!-- user -->`` (a file without them is all user message), and
+``{placeholders}``:
 
 - reflector: ``{playbook}``, ``{bullets_used}``, ``{trace}``
 - curator: ``{playbook}``, ``{reflections}``, ``{progress}``, ``{stats}``, ``{token_budget}``
 - combiner: ``{playbook}``, ``{partial_updates}``, ``{token_budget}``
+- consolidator: ``{section}``, ``{section_bullets}`` (one section of a playbook near its budget)
 
 Only these names are substituted (one pass, so a value containing ``{x}`` is left alone, and JSON
 examples in a template need no escaping). ``LearningConfig.prompts_dir`` points to a folder whose
@@ -37,13 +40,13 @@ from combee_stream.core.fencing import fence
 from combee_stream.core.llm import ChatMessage
 from combee_stream.core.playbook import PlaybookStats, find_bullet, render, stats
 from combee_stream.errors import UserError
-from combee_stream.schemas import Delta, Playbook, Reflection, Trace, encode
+from combee_stream.schemas import Delta, Playbook, Reflection, Section, Trace, encode
 
 PROMPTS_VERSION: Final = "v1"
 TASK_CHARS: Final = 600
 STEPS_CHARS: Final = 20_000
 
-PromptRole = Literal["reflector", "curator", "combiner"]
+PromptRole = Literal["reflector", "curator", "combiner", "consolidator"]
 _SYSTEM_MARK: Final = "<!-- system -->"
 _USER_MARK: Final = "<!-- user -->"
 _PLACEHOLDER = re.compile(r"\{([a-z_]+)\}")
@@ -56,6 +59,7 @@ _REQUIRED: Final[dict[PromptRole, tuple[tuple[str, ...], tuple[str, ...]]]] = {
         ("playbook", "reflections"),
     ),
     "combiner": (("playbook", "partial_updates", "token_budget"), ("playbook", "partial_updates")),
+    "consolidator": (("section", "section_bullets"), ("section_bullets",)),
 }
 
 
@@ -89,6 +93,7 @@ class Prompts:
     reflector: Template
     curator: Template
     combiner: Template
+    consolidator: Template
     version: str = PROMPTS_VERSION
 
 
@@ -121,7 +126,7 @@ def load_prompts(prompts_dir: str | Path = "") -> Prompts:
         raise UserError(f"prompts_dir {folder} is not a folder")
     packaged = resources.files("combee_stream.core").joinpath("prompts")
     loaded: dict[PromptRole, Template] = {}
-    roles: tuple[PromptRole, ...] = ("reflector", "curator", "combiner")
+    roles: tuple[PromptRole, ...] = ("reflector", "curator", "combiner", "consolidator")
     for role in roles:
         override = folder / f"{role}.md" if folder is not None else None
         if override is not None and override.is_file():
@@ -130,7 +135,10 @@ def load_prompts(prompts_dir: str | Path = "") -> Prompts:
             resource = packaged.joinpath(f"{role}.md")
             loaded[role] = parse_template(role, resource.read_text(), f"(packaged) {role}.md")
     return Prompts(
-        reflector=loaded["reflector"], curator=loaded["curator"], combiner=loaded["combiner"]
+        reflector=loaded["reflector"],
+        curator=loaded["curator"],
+        combiner=loaded["combiner"],
+        consolidator=loaded["consolidator"],
     )
 
 
@@ -257,12 +265,30 @@ def combiner_messages(
     )
 
 
+def consolidator_messages(
+    prompts: Prompts, section: Section, limit_chars: int
+) -> list[ChatMessage]:
+    """One section of a playbook near its budget, for the consolidator (same endpoint as the
+    curator): its bullets as ``[id] helpful=h harmful=r :: text`` lines."""
+    lines = [
+        f"[{b.id}] helpful={b.helpful} harmful={b.harmful} :: {fence(b.content)}"
+        for b in section.bullets
+    ]
+    return prompts.consolidator.fill(
+        {
+            "section": f"{section.name} (a merged bullet may have up to {limit_chars} characters)",
+            "section_bullets": "\n".join(lines),
+        }
+    )
+
+
 __all__ = [
     "PROMPTS_VERSION",
     "Prompts",
     "ReflectionRecord",
     "Template",
     "combiner_messages",
+    "consolidator_messages",
     "curator_messages",
     "load_prompts",
     "parse_template",

@@ -166,6 +166,7 @@ class KeyChain:
                 held_out=[s.trace_id for s in result.held_out],
                 gate=result.report,
                 reverted_to=window.reverted_to,
+                consolidated=stats.consolidation,
             ),
             watermark=watermark,
             created_at=utcnow(),

@@ -47,6 +47,20 @@ def mentions(text: str, lesson_id: str) -> bool:
     return f"LESSON[{lesson_id}]" in text
 
 
+VARIANT = ".v"  # ``<lesson>.v<n>``: the same lesson worded another way (a near-duplicate)
+
+
+def base_id(lesson_id: str) -> str:
+    """The lesson a variant id words (the id itself when it is no variant)."""
+    head, sep, tail = lesson_id.rpartition(VARIANT)
+    return head if sep and tail.isdigit() else lesson_id
+
+
+def mentions_lesson(text: str, lesson_id: str) -> bool:
+    """Whether ``text`` carries ``lesson_id`` or one of its variants."""
+    return mentions(text, lesson_id) or f"LESSON[{lesson_id}{VARIANT}" in text
+
+
 def retained_ids(playbook: Playbook) -> set[str]:
     """Ids of the lessons a playbook retains: those whose marker occurs in one of its bullets."""
     return {
@@ -57,4 +71,14 @@ def retained_ids(playbook: Playbook) -> set[str]:
     }
 
 
-__all__ = ["Lesson", "distinct", "find_lessons", "marker_line", "mentions", "retained_ids"]
+__all__ = [
+    "VARIANT",
+    "Lesson",
+    "base_id",
+    "distinct",
+    "find_lessons",
+    "marker_line",
+    "mentions",
+    "mentions_lesson",
+    "retained_ids",
+]

@@ -16,19 +16,28 @@ from typing import Final, Literal
 import msgspec
 
 from combee_stream.agent.answerer import AgentOutput
-from combee_stream.core.outputs import CuratorOutput, ReflectorOutput
+from combee_stream.core.outputs import ConsolidatorOutput, CuratorOutput, Merge, ReflectorOutput
 from combee_stream.schemas import AddOp, BulletTag, Operation
 from combee_stream.sim.faults import unit
-from combee_stream.sim.markers import Lesson, distinct, find_lessons, mentions
+from combee_stream.sim.markers import (
+    Lesson,
+    base_id,
+    distinct,
+    find_lessons,
+    marker_line,
+    mentions,
+    mentions_lesson,
+)
 from combee_stream.sim.settings import RealismModel
 from combee_stream.sim.tasks import poison_of, task_code, task_lesson
 
-Role = Literal["reflector", "curator", "combiner", "agent"]
+Role = Literal["reflector", "curator", "combiner", "agent", "consolidator"]
 CURATOR_SECTION = "STRATEGIES & INSIGHTS"
 
 # Checked in this order: a curator prompt never carries <partial_updates>, a reflector prompt
 # never carries <reflections>.
 _ROLE_TAGS: tuple[tuple[str, Role], ...] = (
+    ("section_bullets", "consolidator"),
     ("partial_updates", "combiner"),
     ("reflections", "curator"),
     ("trace", "reflector"),
@@ -220,9 +229,9 @@ def answer(system: str, prompt: str, *, seed: int) -> AgentOutput:
     carriers = [
         line.split("]", 1)[0].lstrip("[")
         for line in system.splitlines()
-        if line.startswith("[") and mentions(line, lesson_id)
+        if line.startswith("[") and mentions_lesson(line, lesson_id)
     ]
-    knows = bool(carriers) or mentions(system, lesson_id)
+    knows = bool(carriers) or mentions_lesson(system, lesson_id)
     code = task_code(seed, lesson_id)
     poison = poison_of(lesson_id)
     if mentions(system, poison):  # a wrong rule for the case overrides the right one
@@ -245,6 +254,30 @@ def answer(system: str, prompt: str, *, seed: int) -> AgentOutput:
     )
 
 
+def consolidate(prompt: str) -> ConsolidatorOutput:
+    """Merge the bullets that carry one lesson (its variants, :data:`~combee_stream.sim.markers.
+    VARIANT`, are near-duplicates) into one bullet with the lesson's first wording under its
+    base id; bullets carrying no lesson, or a lesson alone, are left out (kept as they are)."""
+    groups: dict[str, list[tuple[str, Lesson]]] = {}
+    for line in (block(prompt, "section_bullets") or "").splitlines():
+        found = _BULLET_REF.match(line)
+        lessons = find_lessons(line)
+        if found is None or len(lessons) != 1:
+            continue
+        groups.setdefault(base_id(lessons[0].id), []).append((found.group(1), lessons[0]))
+    merges = [
+        Merge(
+            bullet_ids=[bullet for bullet, _ in group], content=marker_line(base, group[0][1].text)
+        )
+        for base, group in groups.items()
+        if len(group) > 1
+    ]
+    return ConsolidatorOutput(
+        reasoning=f"Simulated consolidator: {len(merges)} lesson(s) worded more than once.",
+        merges=merges,
+    )
+
+
 def respond(
     role: Role,
     prompt: str,
@@ -255,8 +288,10 @@ def respond(
     system: str = "",
 ) -> bytes:
     """The JSON content the role answers with."""
-    output: ReflectorOutput | CuratorOutput | AgentOutput
-    if role == "reflector":
+    output: ReflectorOutput | CuratorOutput | AgentOutput | ConsolidatorOutput
+    if role == "consolidator":
+        output = consolidate(prompt)
+    elif role == "reflector":
         output = reflect(prompt, seed=seed, realism=realism)
     elif role == "curator":
         output = curate(prompt, seed=seed, capacity=capacity, realism=realism)
@@ -272,6 +307,7 @@ __all__ = [
     "Role",
     "block",
     "combine",
+    "consolidate",
     "curate",
     "identify_role",
     "overload_keep",

@@ -1,0 +1,134 @@
+"""A playbook that keeps learning past its budget: near the token budget the learner merges
+near-duplicate bullets (the consolidator, on the curator's endpoint) and drops clearly harmful
+ones, never truncating; against the simulator in process, whose curator writes every wording
+of a lesson as a bullet of its own and whose consolidator recognises the wordings of one."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+
+from combee_stream.config import Config, LearningConfig
+from combee_stream.core.controller import FixedBatch
+from combee_stream.core.learner import Learner
+from combee_stream.core.llm import LLMClient
+from combee_stream.core.pipeline import KeyPipeline, MemorySink, PipelineSettings, closed_inbox
+from combee_stream.core.playbook import new_playbook, playbook_tokens
+from combee_stream.core.versions import KeyChain
+from combee_stream.schemas import Bullet, Feedback, PromptUpdate, Section, Source, Trace
+from combee_stream.sim import IN_PROCESS_BASE_URL, SimSettings, sim_http_client, simulated_llm
+from combee_stream.sim.markers import VARIANT, base_id, marker_line, retained_ids
+from combee_stream.sim.traces import lesson_text
+
+KEY = "sim-k0"
+LESSONS, WORDINGS = 24, 30
+BUDGET = 1_200  # the 24 lessons, one bullet each, use about 70 % of it
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@asynccontextmanager
+async def learner(**learning: object) -> AsyncIterator[Learner]:
+    cfg = Config(
+        llm=simulated_llm(IN_PROCESS_BASE_URL),
+        learning=LearningConfig(seed=0, token_budget=BUDGET, **learning),  # type: ignore[arg-type]
+    )
+    async with sim_http_client(SimSettings(seed=0)) as http:
+        llm = LLMClient(cfg.llm, http_client=http, env={})
+        try:
+            yield Learner.from_config(cfg, llm)
+        finally:
+            await llm.aclose()
+
+
+def worded_stream() -> list[Trace]:
+    """Each lesson in 30 wordings; lessons come in over the whole stream (each one's wordings
+    spread over about three lessons' worth of traces), 20x the budget in all."""
+    rng = random.Random(5)
+    slots = [(j + rng.uniform(0, 3), j, n) for j in range(LESSONS) for n in range(WORDINGS)]
+    traces = []
+    for i, (_, j, n) in enumerate(sorted(slots)):
+        lesson = f"k0-l{j:03d}"
+        text = f"{lesson_text(0, lesson)[:-1]} (noted in case family {n})."
+        traces.append(
+            Trace(
+                key=KEY,
+                trace_id=f"w-{i:05d}",
+                task=f"Case {i} of the queue",
+                feedback=Feedback(passed=False, text=marker_line(f"{lesson}{VARIANT}{n}", text)),
+            )
+        )
+    return traces
+
+
+async def learn(traces: list[Trace], **learning: object) -> list[PromptUpdate]:
+    items = [(t, Source(t.trace_id, 0, i)) for i, t in enumerate(traces)]
+    async with learner(**learning) as gated:
+        sink = MemorySink()
+        pipeline = KeyPipeline(
+            KeyChain(KEY), gated, FixedBatch(24), sink, closed_inbox(items),
+            PipelineSettings(pipelined=False, max_windows_in_flight=1),
+        )  # fmt: skip
+        await pipeline.run()
+    return sink.updates
+
+
+def lessons_kept(update: PromptUpdate) -> set[str]:
+    return {base_id(i) for i in retained_ids(update.playbook)}
+
+
+@pytest.mark.anyio
+async def test_a_key_fed_twenty_budgets_keeps_learning() -> None:
+    traces = worded_stream()
+    words = sum(len(t.feedback.text or "") for t in traces) / 4
+    assert words > 20 * BUDGET  # the stream's lessons, as bullets, are 20 budgets' worth
+    updates = await learn(traces)
+    assert all(playbook_tokens(u.playbook) <= BUDGET for u in updates)  # never over the budget
+    consolidated = [u for u in updates if u.stats.consolidated is not None]
+    assert consolidated and all(c.stats.consolidated.merged for c in consolidated)  # type: ignore[union-attr]
+    final = lessons_kept(updates[-1])
+    assert len(final) >= 0.9 * LESSONS, sorted(final)  # lessons of the whole stream retained
+    # Lessons that arrived after the budget first filled were still learned.
+    first_full = next(u.version for u in updates if u.stats.consolidated is not None)
+    late = lessons_kept(updates[-1]) - lessons_kept(updates[first_full - 1])
+    assert late
+    # Without consolidation, the same stream stops learning once the budget is full.
+    stuck = await learn(traces, consolidate_at=0.0)
+    assert all(playbook_tokens(u.playbook) <= BUDGET for u in stuck)
+    assert sum(u.stats.rejection is not None for u in stuck) > len(stuck) // 2
+    assert len(lessons_kept(stuck[-1])) < 0.5 * LESSONS
+
+
+@pytest.mark.anyio
+async def test_consolidation_merges_duplicates_drops_the_harmful_and_rewrites_nothing_else() -> (
+    None
+):
+    one = f"k0-l001{VARIANT}"
+    bullets = [
+        Bullet(id="s-00001", content=marker_line(f"{one}1", "Check the refund policy."),
+               helpful=2, sources=["t1"]),
+        Bullet(id="s-00002", content=marker_line(f"{one}2", "Always check refund policy."),
+               helpful=1, harmful=1, sources=["t2"]),
+        Bullet(id="s-00003", content="Quote the order number in the reply.", helpful=1),
+        Bullet(id="s-00004", content="Answer before looking anything up.", harmful=4),
+    ]  # fmt: skip
+    book = new_playbook(KEY)
+    book.sections = [Section(name="STRATEGIES & INSIGHTS", bullets=bullets)]
+    async with learner() as gated:
+        out, report = await gated.consolidate(book, gated.new_stats())
+    assert report is not None
+    assert report.merged == [["s-00001", "s-00002"]] and report.dropped == ["s-00004"]
+    [section] = out.sections
+    assert [b.id for b in section.bullets] == ["s-00001", "s-00003"]
+    merged, untouched = section.bullets
+    assert (merged.helpful, merged.harmful, merged.sources) == (3, 1, ["t1", "t2"])
+    assert merged.content == marker_line("k0-l001", "Check the refund policy.")
+    assert untouched == bullets[2]  # not a duplicate: not rewritten
+    assert report.tokens_after < report.tokens_before
+    assert book.sections[0].bullets == bullets  # the input is not modified
