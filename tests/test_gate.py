@@ -25,16 +25,19 @@ from combee_stream.core.versions import KeyChain
 from combee_stream.engine import Engine
 from combee_stream.kafka.history import PRODUCTION, read_history
 from combee_stream.schemas import Feedback, PromptUpdate, Source, Trace
-from combee_stream.sim import IN_PROCESS_BASE_URL, SimSettings, sim_http_client, sim_server
-from combee_stream.sim import simulated_llm
+from combee_stream.sim import (
+    IN_PROCESS_BASE_URL,
+    SimSettings,
+    sim_http_client,
+    sim_server,
+    simulated_llm,
+)
 from combee_stream.sim.tasks import sim_tasks, task_traces
 
 KEY = "sim-k0"
 # Small held-out sets for a test: 12 tasks, and a margin that a candidate changing none of them
 # passes (bound -z/(n+2) = -0.12) while one losing a task fails (-0.23).
-GATE = GateConfig(
-    replay=True, holdout_fraction=0.3, min_samples=12, margin=0.15, scorer="exact"
-)
+GATE = GateConfig(replay=True, holdout_fraction=0.3, min_samples=12, margin=0.15, scorer="exact")
 
 
 @pytest.fixture
@@ -84,9 +87,7 @@ def test_holdout_is_a_function_of_the_trace_id() -> None:
 
 @asynccontextmanager
 async def gated_learner(gate: GateConfig = GATE) -> AsyncIterator[Learner]:
-    cfg = Config(
-        llm=simulated_llm(IN_PROCESS_BASE_URL), learning=LearningConfig(seed=0), gate=gate
-    )
+    cfg = Config(llm=simulated_llm(IN_PROCESS_BASE_URL), learning=LearningConfig(seed=0), gate=gate)
     async with sim_http_client(SimSettings(seed=0)) as http:
         llm = LLMClient(cfg.llm, http_client=http, env={})
         try:
@@ -97,9 +98,19 @@ async def gated_learner(gate: GateConfig = GATE) -> AsyncIterator[Learner]:
 
 def poisoned_stream(good: int, poisoned: int, lessons: int = 12) -> list[Trace]:
     """``good`` failed runs teaching the key's lessons, then ``poisoned`` whose feedback
-    carries a wrong rule for a lesson instead."""
-    tasks = sim_tasks(good + poisoned, 1, lessons)
-    return task_traces(tasks, poisoned={t.id for t in tasks[good:]})
+    carries a wrong rule for a lesson instead: for lessons some held-out task needs (what
+    the replay gate can measure; a poison for a lesson no held-out task needs breaks nothing
+    it can see, and bench gate reports that case)."""
+    tasks = sim_tasks(good + poisoned * 4, 1, lessons)
+    policy = HoldoutPolicy(GATE)
+    covered = {
+        trace.metadata["lesson_id"]
+        for trace in task_traces(tasks[:good])
+        if policy.held_out(trace) is not None
+    }
+    late = [t for t in tasks[good:] if t.metadata["lesson"] in covered][:poisoned]
+    assert len(late) == poisoned
+    return task_traces([*tasks[:good], *late], poisoned={t.id for t in late})
 
 
 def consumed(updates: list[PromptUpdate]) -> Counter[str]:
@@ -125,16 +136,17 @@ async def test_a_poisoned_candidate_is_refused_and_a_good_one_published() -> Non
     # No version ever carried the poison, though the poisoned traces were read and learned.
     assert all("poison." not in u.prompt for u in updates)
     reviewed = [u.stats.gate for u in updates if u.stats.gate is not None]
-    accepted = [g for g in reviewed if g.accepted]
-    refused = [u for u in updates if u.stats.gate is not None and not u.stats.gate.accepted]
+    accepted = [g for g in reviewed if g.accepted and not g.pruned]
     assert accepted and any(g.candidate > g.current for g in accepted)
-    assert refused, "the poisoned window was published"
-    last = refused[-1]
-    assert last.stats.rejection is not None and last.stats.rejection.kind == "gate"
-    assert last.stats.gate is not None and last.stats.gate.broke
+    # The poisoned window: refused, then published without the bullets the agent cited on the
+    # tasks they broke (the poison), its good part reviewed again.
+    [cut] = [u for u in updates if u.stats.gate is not None and u.stats.gate.pruned]
+    assert cut.stats.gate is not None and cut.stats.gate.accepted and cut.stats.rejection is None
+    poisoned = {t.trace_id for t in traces if "poison." in (t.feedback.text or "")}
+    assert poisoned & set(cut.stats.trace_ids)  # the poisoned traces are consumed, not lost
     # Tasks the poisoned candidate broke are kept as regressions for later candidates.
-    assert last.holdout is not None
-    assert set(last.stats.gate.broke) <= {t.trace_id for t in last.holdout.regressions}
+    assert cut.holdout is not None and cut.holdout.regressions
+    assert not any(u.holdout and u.holdout.regressions for u in updates if u.version < cut.version)
     # Early windows, before the sample held min_samples tasks, were refused, not published.
     first = updates[0]
     assert first.stats.rejection is not None and "min_samples" in first.stats.rejection.reason
@@ -143,7 +155,9 @@ async def test_a_poisoned_candidate_is_refused_and_a_good_one_published() -> Non
 
 @pytest.mark.kafka
 @pytest.mark.anyio
-async def test_the_engine_never_serves_a_poisoned_candidate(config: Config, unique: str) -> None:
+async def test_the_engine_never_serves_a_poisoned_candidate_across_a_restart(
+    config: Config, unique: str
+) -> None:
     traces = poisoned_stream(96, 12)
     good, bad = traces[:96], traces[96:]
     async with sim_server(SimSettings(seed=0)) as llm:
@@ -157,6 +171,12 @@ async def test_the_engine_never_serves_a_poisoned_candidate(config: Config, uniq
             await engine.started.wait()
             await produce(cfg, good)
             learned = await wait_consumed(cfg, {t.trace_id for t in good})
+            engine.stop()
+        # A restarted engine has the held-out tasks back from the key's newest version.
+        engine = Engine(cfg)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.run)
+            await engine.started.wait()
             await produce(cfg, bad)
             updates = await wait_consumed(cfg, {t.trace_id for t in traces})
             engine.stop()
@@ -166,8 +186,12 @@ async def test_the_engine_never_serves_a_poisoned_candidate(config: Config, uniq
     good_lessons = lessons(learned)
     assert len(good_lessons) >= 6, good_lessons  # the good stream was learned and published
     after = [u for u in keyed if u.version > max(u.version for u in learned if u.key == KEY)]
-    refused = [u for u in after if u.stats.gate is not None and not u.stats.gate.accepted]
-    assert refused and refused[-1].stats.gate is not None and refused[-1].stats.gate.broke
+    # The held-out sample came back with the restored version: the first window after the
+    # restart was reviewed on it (not refused for want of tasks).
+    assert after[0].stats.gate is not None and after[0].stats.gate.n >= GATE.min_samples
+    # The poisoned windows were refused, or published without the bullets that broke tasks.
+    caught = [u.stats.gate for u in after if u.stats.gate is not None]
+    assert any(g.pruned or (not g.accepted and g.broke) for g in caught)
     # What agents are served (production) carries what was learned and no poison.
     history = await read_history(cfg.kafka, KEY)
     served = history.versions[history.resolve(PRODUCTION) or 0]

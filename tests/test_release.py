@@ -40,7 +40,7 @@ def test_welch_bounds() -> None:
     for i in range(20):
         good.add(1.0 if i % 10 else 0.0)
         bad.add(0.0 if i % 10 else 1.0)
-    low, high = bounds(bad, good, 1.645)
+    _, high = bounds(bad, good, 1.645)
     assert high < 0 < good.mean - bad.mean
     same = Tally(10, 10.0, 10.0)
     assert bounds(same, same, 1.645) == (0.0, 0.0)

@@ -17,27 +17,38 @@ from typing import Any
 import anyio
 import msgspec
 
-from combee_stream.bench import ingest, latency, overhead, plots, quality, saturation, scaling
+from combee_stream.bench import (
+    gate,
+    ingest,
+    latency,
+    overhead,
+    plots,
+    quality,
+    saturation,
+    scaling,
+)
 from combee_stream.bench.report import describe_latency
 from combee_stream.bench.vclock import VirtualClockLoop
 from combee_stream.config import Config
 from combee_stream.errors import UserError
 from combee_stream.logs import configure_logging
 
-SUITES = ("scaling", "saturation", "overhead", "latency", "ingest", "quality")
+SUITES = ("scaling", "saturation", "overhead", "latency", "ingest", "gate", "quality")
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="benchmarks: scaling, saturation, overhead, latency (simulated LLM); ingest (no "
-        "LLM); quality (a real model)",
+        help="benchmarks: scaling, saturation, overhead, latency, gate (simulated LLM); ingest "
+        "(no LLM); quality (a real model)",
         description=(
             "scaling, saturation, overhead and latency run against the project's SIMULATED LLM "
             "(never a real model): sequential vs naive vs combee over batch sizes; engine "
             "throughput vs the endpoint's bound C/(L*calls per trace); engine vs a bare Kafka "
             "consumer, and peak memory under a backlog; trace-to-publish latency, pipelined vs "
-            "synchronous windows. ingest (no LLM): the OpenTelemetry ingest stage vs a bare "
+            "synchronous windows; gate: the replay gate over a stream with poisoned traces "
+            "(time served worse than the best earlier version, its cost in calls and latency). "
+            "ingest (no LLM): the OpenTelemetry ingest stage vs a bare "
             "consumer of the spans topic, and its memory with many traces open. quality runs a "
             "REAL model (--local MODEL starts one here, or the config's LLM roles): held-out "
             "accuracy of the agent with the base prompt and "
@@ -135,6 +146,9 @@ def run_suite(
     if suite == "ingest":
         ing = anyio.run(ingest.run_ingest, config, ingest.ingest_settings(quick=quick, seed=seed))
         return Outcome(ing, ingest.markdown(ing), "", lambda *_: [])
+    if suite == "gate":
+        gr = anyio.run(gate.run_gate, config, gate.gate_settings(quick=quick, seed=seed))
+        return Outcome(gr, gate.markdown(gr), "", lambda *_: [])
     if suite == "quality":
         assert args is not None
         qr = anyio.run(_quality, config, args, quick)

@@ -553,6 +553,23 @@ class Learner:
             report = verdict.report
             if verdict.holdout is not None:
                 holdout = verdict.holdout
+            if not verdict.accepted and verdict.blame:
+                # Once more without the bullets the agent cited on the tasks it broke: one bad
+                # lesson does not cost the window's good ones.
+                pruned = _without(result.playbook, set(verdict.blame))
+                second = await review(pruned)
+                if second.accepted:
+                    kept = {b.id for s in pruned.sections for b in s.bullets}
+                    result = msgspec.structs.replace(
+                        result,
+                        playbook=pruned,
+                        tokens=playbook_tokens(pruned),
+                        added=[i for i in result.added if i in kept],
+                        updated=[i for i in result.updated if i in kept],
+                    )
+                    if second.report is not None:
+                        report = msgspec.structs.replace(second.report, pruned=verdict.blame)
+                verdict = second if second.accepted else verdict
             if not verdict.accepted:
                 rejection = GateRejection(gate=self._gate.name, reason=verdict.reason)
                 base, consolidation = onto, None  # nothing of the candidate is kept
@@ -728,6 +745,13 @@ class Learner:
         stats.tokens_in += completion.tokens_in
         stats.tokens_out += completion.tokens_out
         return completion.value
+
+
+def _without(playbook: Playbook, ids: set[str]) -> Playbook:
+    out = copy_playbook(playbook)
+    for section in out.sections:
+        section.bullets = [b for b in section.bullets if b.id not in ids]
+    return out
 
 
 __all__ = [

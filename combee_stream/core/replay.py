@@ -5,7 +5,8 @@ Each task (:mod:`combee_stream.core.holdout`) is answered under both prompts by 
 :class:`Evaluator`: the engine's own single-call agent (:class:`AgentEvaluator`, the ``agent``
 LLM role, scored against the trace's ground truth), or the user's (``gate.evaluator =
 "module:function"``, an async callable taking the rendered prompt and a
-:class:`~combee_stream.schemas.HeldOutTask` and returning a score in [0, 1]), in the manner of
+:class:`~combee_stream.schemas.HeldOutTask` and returning a score in [0, 1], or a
+:class:`Score` with the bullets the agent cited), in the manner of
 GEPA's adapters: the gate does not need to know how the agent works.
 
 The statistic (paired non-inferiority): with ``n`` tasks scored under both prompts, the
@@ -37,6 +38,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Final
 
 import anyio
+from msgspec import Struct
 
 from combee_stream.agent.answerer import Answerer
 from combee_stream.config import GateConfig
@@ -48,7 +50,16 @@ from combee_stream.errors import ConfigError
 from combee_stream.schemas import GateReport, HeldOutTask
 from combee_stream.tasks.base import SCORERS
 
-Evaluator = Callable[[str, HeldOutTask], Awaitable[float]]
+
+class Score(Struct, frozen=True):
+    """An evaluator's verdict on one task: the score, and the playbook bullets the agent says
+    it used (what a refused candidate's blame is computed from)."""
+
+    value: float
+    cited: list[str] = []
+
+
+Evaluator = Callable[[str, HeldOutTask], Awaitable[float | Score]]
 NAME: Final = "replay"
 
 
@@ -60,9 +71,9 @@ class AgentEvaluator:
         self._answerer = Answerer(llm)
         self._score = SCORERS[scorer]
 
-    async def __call__(self, prompt: str, task: HeldOutTask) -> float:
+    async def __call__(self, prompt: str, task: HeldOutTask) -> Score:
         answer = await self._answerer.answer(prompt, task.task)
-        return 1.0 if self._score(answer.output, task.answer) else 0.0
+        return Score(1.0 if self._score(answer.output, task.answer) else 0.0, answer.bullet_ids)
 
 
 def load_evaluator(spec: str) -> Evaluator:
@@ -125,13 +136,15 @@ class ReplayGate:
                 f"{cfg.min_samples}: nothing unverified is published",
             )
         before, after = render(candidate.parent), render(candidate.playbook)
-        scores: dict[tuple[int, int], float] = {}
+        scores: dict[tuple[int, int], Score] = {}
         limiter = anyio.CapacityLimiter(cfg.concurrency)
 
         async def score(index: int, which: int, prompt: str) -> None:
             async with limiter:
-                value = await self._evaluate(prompt, tasks[index])
-            scores[index, which] = min(1.0, max(0.0, float(value)))
+                found = await self._evaluate(prompt, tasks[index])
+            if not isinstance(found, Score):
+                found = Score(float(found))
+            scores[index, which] = Score(min(1.0, max(0.0, found.value)), found.cited)
 
         failure: list[BaseException] = []
         try:
@@ -145,8 +158,8 @@ class ReplayGate:
             # The gate cannot judge: refused like a failed test (the agent endpoint's outage
             # is the LLM client's to report).
             return Verdict(accepted=False, reason=f"evaluation failed: {failure[0]}")
-        current = [scores[i, 0] for i in range(len(tasks))]
-        new = [scores[i, 1] for i in range(len(tasks))]
+        current = [scores[i, 0].value for i in range(len(tasks))]
+        new = [scores[i, 1].value for i in range(len(tasks))]
         lower = lower_bound(current, new, cfg.confidence)
         accepted = lower > -cfg.margin
         broke = [t.trace_id for t, a, b in zip(tasks, current, new, strict=True) if b < a]
@@ -170,7 +183,26 @@ class ReplayGate:
         holdout = candidate.holdout
         if not accepted and holdout is not None and cfg.regression_size:
             holdout = self._policy.regress(holdout, broke)
-        return Verdict(accepted=accepted, reason=reason, report=report, holdout=holdout)
+        # Credit assignment for a refusal: the candidate's new bullets that the agent cited on
+        # the tasks it broke (the learner may try once more without them).
+        old = {b.id for s in candidate.parent.sections for b in s.bullets}
+        blame = [] if accepted else list(
+            dict.fromkeys(
+                b for i, (a, c) in enumerate(zip(current, new, strict=True)) if c < a
+                for b in scores[i, 1].cited if b not in old
+            )
+        )  # fmt: skip
+        return Verdict(
+            accepted=accepted, reason=reason, report=report, holdout=holdout, blame=blame
+        )
 
 
-__all__ = ["NAME", "AgentEvaluator", "Evaluator", "ReplayGate", "load_evaluator", "lower_bound"]
+__all__ = [
+    "NAME",
+    "AgentEvaluator",
+    "Evaluator",
+    "ReplayGate",
+    "Score",
+    "load_evaluator",
+    "lower_bound",
+]
