@@ -25,7 +25,7 @@ import anyio
 import msgspec
 from aiokafka import AIOKafkaConsumer
 
-from combee_stream.config import Config
+from combee_stream.config import Config, GateConfig
 from combee_stream.engine import Engine
 from combee_stream.kafka.broker import start_broker
 from combee_stream.kafka.client import client_kwargs
@@ -34,7 +34,9 @@ from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.subscriber import PromptSubscriber
 from combee_stream.kafka.topics import ensure_topics
 from combee_stream.prompts_cli import seed_prompt
-from combee_stream.sim import LatencyModel, SimSettings, generate_traces, sim_server, simulated_llm
+from combee_stream.schemas import PromptUpdate
+from combee_stream.sim import LatencyModel, SimSettings, sim_server, simulated_llm
+from combee_stream.sim.tasks import sim_tasks, task_traces
 
 
 def register(sub: Any) -> None:
@@ -48,7 +50,7 @@ def register(sub: Any) -> None:
     parser.add_argument("--model", default=None, help="local model (default: local_llm.model)")
     parser.add_argument("--seed", type=int, default=None, help="task seed (default: random)")
     # the simulated demo
-    parser.add_argument("--traces", type=int, default=60, help="--sim: synthetic traces to send")
+    parser.add_argument("--traces", type=int, default=120, help="--sim: synthetic traces to send")
     parser.add_argument("--keys", type=int, default=2, help="--sim: keys")
     parser.add_argument("--lessons", type=int, default=12, help="--sim: distinct lessons per key")
     parser.set_defaults(handler=_demo)
@@ -84,11 +86,19 @@ async def _fresh_kafka(config: Config) -> Config:
     return msgspec.structs.replace(config, kafka=kafka)
 
 
+# The demo's publish gate: small held-out samples (a demo stream is short), a wide margin.
+DEMO_GATE = GateConfig(replay=True, holdout_fraction=0.3, min_samples=6, margin=0.2, scorer="exact")
+
+
 async def _sim_demo(args: argparse.Namespace, config: Config) -> int:
     say("1. the simulated-LLM demo (no real model: every number below is simulated)")
     cfg = await _fresh_kafka(config)
     kafka = cfg.kafka
-    traces = generate_traces(args.traces, args.keys, args.lessons, seed=7)
+    # Failed runs of simulated tasks with their ground truth; a tenth of the later ones carry
+    # a wrong rule (poison) that the publish gate must keep out of the prompts.
+    tasks = sim_tasks(args.traces, args.keys, args.lessons, seed=7)
+    late = tasks[len(tasks) // 2 :]
+    traces = task_traces(tasks, seed=7, poisoned={t.id for t in late[:: max(1, len(late) // 6)]})
     keys = sorted({t.key for t in traces})
     settings = SimSettings(seed=7, latency=LatencyModel(base_s=0.3, per_output_token_s=0.002))
     async with AsyncExitStack() as stack:
@@ -98,6 +108,11 @@ async def _sim_demo(args: argparse.Namespace, config: Config) -> int:
             cfg,
             llm=simulated_llm(llm.base_url, cfg.llm),
             engine=msgspec.structs.replace(cfg.engine, metrics_port=0),
+            gate=DEMO_GATE,
+        )
+        say(
+            f"   publish gate on: {DEMO_GATE.holdout_fraction:.0%} of the traces held out, each "
+            "candidate answered on them beside the version it extends"
         )
         say(f"3. seeding a prompt for {keys[0]}")
         await seed_prompt(cfg, keys[0], "You are a careful back-office agent.")
@@ -119,11 +134,14 @@ async def _sim_demo(args: argparse.Namespace, config: Config) -> int:
                 want = {k: sum(t.key == k for t in traces) for k in keys}
                 with anyio.move_on_after(180):
                     async for update in prompts:
-                        learned[update.key] = update.stats.traces_learned
+                        learned[update.key] += update.stats.window_traces + len(
+                            update.stats.held_out
+                        )
                         bullets = sum(len(s.bullets) for s in update.playbook.sections)
                         say(
                             f"   {update.key} v{update.version}: +{update.stats.window_traces} "
                             f"traces (total {update.stats.traces_learned}), {bullets} bullets"
+                            f"{_gate_note(update)}"
                         )
                         if all(learned[k] >= want[k] for k in keys):
                             break
@@ -134,6 +152,20 @@ async def _sim_demo(args: argparse.Namespace, config: Config) -> int:
             say(newest.prompt)
     say("\nThe broker keeps running: `combee-stream kafka stop` stops it.")
     return 0
+
+
+def _gate_note(update: PromptUpdate) -> str:
+    stats = update.stats
+    held = f", {len(stats.held_out)} held out" if stats.held_out else ""
+    if stats.rejection is not None:
+        return f"{held}; refused: {getattr(stats.rejection, 'reason', stats.rejection.kind)}"
+    if stats.gate is not None:
+        g = stats.gate
+        left = (
+            f", left out {len(g.pruned)} new bullet(s) cited on wrong answers" if g.pruned else ""
+        )
+        return f"{held}; gate passed ({g.current:.0%} -> {g.candidate:.0%} on {g.n} tasks{left})"
+    return held
 
 
 async def _show_dead_letter(kafka: Any) -> None:

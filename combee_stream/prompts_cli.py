@@ -19,7 +19,7 @@ from combee_stream.core.playbook import find_bullet
 from combee_stream.core.versions import seed_update
 from combee_stream.errors import DecodeError, UserError
 from combee_stream.kafka.client import start_client
-from combee_stream.kafka.history import PRODUCTION, move_label, read_history
+from combee_stream.kafka.history import CANDIDATE, PRODUCTION, move_label, read_history
 from combee_stream.kafka.producer import make_producer, publish_update
 from combee_stream.kafka.reader import read_updates
 from combee_stream.kafka.subscriber import PromptSubscriber
@@ -195,15 +195,40 @@ async def _inspect(args: argparse.Namespace, config: Config) -> int:
             f"{': ' + last.why if last.why else ''}; see `prompts labels`)\n\n"
         )
     out.write(newest.prompt.rstrip() + "\n\n## versions on the topic\n\n")
-    out.write("version  parent  traces  learned  window  bullets  created\n")
+    out.write("version  parent  traces  learned  window  bullets  created  notes\n")
     for u in versions:
         bullets = sum(len(s.bullets) for s in u.playbook.sections)
         created = u.created_at.isoformat(timespec="seconds") if u.created_at else "-"
         out.write(
             f"{u.version:>7}  {u.parent_version:>6}  {u.stats.traces_learned:>6}  "
-            f"{u.stats.window_traces:>7}  {u.stats.batch_size:>6}  {bullets:>7}  {created}\n"
+            f"{u.stats.window_traces:>7}  {u.stats.batch_size:>6}  {bullets:>7}  {created}"
+            f"  {_notes(u)}\n".rstrip()
+            + "\n"
         )
     return 0
+
+
+def _notes(u: PromptUpdate) -> str:
+    """What the gate, consolidation and reverts did to a version, in a few words."""
+    st, notes = u.stats, []
+    if st.rejection is not None:
+        notes.append(f"refused ({st.rejection.kind}: {getattr(st.rejection, 'reason', '')})")
+    if st.gate is not None:
+        g = st.gate
+        notes.append(f"{g.gate} gate n={g.n} {g.current:.2f}->{g.candidate:.2f}")
+        if g.pruned:
+            notes.append(f"left out {len(g.pruned)} new bullet(s) cited on wrong answers")
+    if st.held_out:
+        notes.append(f"{len(st.held_out)} held out")
+    if st.consolidated is not None:
+        c = st.consolidated
+        notes.append(
+            f"consolidated {c.tokens_before}->{c.tokens_after} tokens "
+            f"({len(c.merged)} merges, {len(c.dropped)} dropped)"
+        )
+    if st.reverted_to is not None:
+        notes.append(f"started from v{st.reverted_to}")
+    return "; ".join(notes)
 
 
 def _by(args: argparse.Namespace) -> str:
@@ -252,6 +277,8 @@ async def _labels(args: argparse.Namespace, config: Config) -> int:
     out.write(f"production  {history.resolve(PRODUCTION)}  (follows: {production}{mode})\n")
     for name, version in sorted(labels.labels.items()):
         out.write(f"{name:<11} {version}\n")
+    if labels.canary and CANDIDATE in labels.labels:
+        out.write(f"canary      {labels.canary:.0%} of sessions asking for production\n")
     out.write("\n## moves\n\n")
     for m in history.moves:
         at = m.at.isoformat(timespec="seconds") if m.at else "-"

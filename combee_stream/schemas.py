@@ -242,8 +242,8 @@ class GateReport(Struct, frozen=True, forbid_unknown_fields=True):
     candidate: float
     lower: float
     broke: list[str] = []  # trace ids of the tasks right before and wrong under the candidate
-    # Bullets of the window left out after a first refusal (cited on the tasks it broke): the
-    # rest of the window was reviewed again, and this report is of that second review.
+    # Bullets of the window left out (the agent cited them on held-out tasks it answered
+    # wrong): the rest of the window was reviewed again, and this report is of that review.
     pruned: list[str] = []
 
 

@@ -176,3 +176,23 @@ async def test_ingest_quick(config: Config) -> None:
     assert report.ratio == pytest.approx(report.ingest_spans_per_s / report.bare_spans_per_s)
     assert report.rss_open_mb > 0 and report.bytes_per_open_trace > 0
     assert "No LLM" in markdown(report)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_gate_quick(config: Config) -> None:
+    """Both runs consume the whole stream; the gated one publishes no regression beyond its
+    margin, and its extra calls are the agent's."""
+    from combee_stream.bench.gate import gate_settings, markdown, run_gate
+
+    settings = gate_settings(quick=True, seed=0)
+    report = await run_gate(config, settings)
+    plain, gated = report.runs
+    assert (plain.gate, gated.gate) == ("none", "replay")
+    assert plain.llm_calls.get("agent", 0) == 0 < gated.llm_calls["agent"]
+    assert gated.regressions == 0 and gated.refused > 0
+    assert report.calls_ratio == pytest.approx(
+        sum(gated.llm_calls.values()) / sum(plain.llm_calls.values())
+    )
+    assert 0 <= gated.worse_share <= 1 and 0 <= plain.worse_share <= 1
+    assert "Simulated LLM" in markdown(report)

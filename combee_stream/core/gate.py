@@ -38,7 +38,7 @@ class Verdict(Struct, frozen=True):
     reason: str = ""
     report: GateReport | None = None  # what was measured, for the version's stats
     holdout: Holdout | None = None  # the held-out tasks afterwards (regressions added)
-    # Refused: the candidate's new bullets to blame (cited on the tasks it broke). The learner
+    # The candidate's new bullets to blame (cited on held-out tasks answered wrong). The learner
     # tries the candidate once more without them.
     blame: list[str] = []
 

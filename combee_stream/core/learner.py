@@ -553,9 +553,10 @@ class Learner:
             report = verdict.report
             if verdict.holdout is not None:
                 holdout = verdict.holdout
-            if not verdict.accepted and verdict.blame:
-                # Once more without the bullets the agent cited on the tasks it broke: one bad
-                # lesson does not cost the window's good ones.
+            if verdict.blame:
+                # Once more without the new bullets the agent cited on tasks it got wrong: one
+                # bad lesson does not cost the window's good ones, nor get in with them. Kept
+                # when the rest passes (else the first verdict stands).
                 pruned = _without(result.playbook, set(verdict.blame))
                 second = await review(pruned)
                 if second.accepted:

@@ -183,12 +183,14 @@ class ReplayGate:
         holdout = candidate.holdout
         if not accepted and holdout is not None and cfg.regression_size:
             holdout = self._policy.regress(holdout, broke)
-        # Credit assignment for a refusal: the candidate's new bullets that the agent cited on
-        # the tasks it broke (the learner may try once more without them).
+        # Credit assignment: the candidate's new bullets that the agent cited on a held-out
+        # task it answered wrong (a lesson it relied on and failed with: wrong, or not enough).
+        # Comparing with the parent cannot see a bad new rule for a task the parent fails too;
+        # this can. The learner tries the candidate once more without them.
         old = {b.id for s in candidate.parent.sections for b in s.bullets}
-        blame = [] if accepted else list(
+        blame = list(
             dict.fromkeys(
-                b for i, (a, c) in enumerate(zip(current, new, strict=True)) if c < a
+                b for i, c in enumerate(new) if c < 1.0
                 for b in scores[i, 1].cited if b not in old
             )
         )  # fmt: skip

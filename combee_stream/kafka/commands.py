@@ -48,6 +48,12 @@ def register(sub: Any) -> None:
         "the newest)",
     )
     which.add_argument("--version", type=int, default=None, help="a pinned version")
+    subscribe.add_argument(
+        "--session",
+        default=None,
+        help="an agent's session or agent id: with --label production, a session in a live "
+        "canary's share is served the candidate",
+    )
     subscribe.set_defaults(handler=_subscribe)
 
     dlq = sub.add_parser("dlq", help="the dead-letter topic")
@@ -120,7 +126,7 @@ async def _subscribe(args: argparse.Namespace, config: Config) -> int:
     keys = set(args.key) if args.key else None
     out = sys.stdout
     async with PromptSubscriber(
-        config.kafka, keys=keys, label=args.label, version=args.version
+        config.kafka, keys=keys, label=args.label, version=args.version, session=args.session
     ) as prompts:
         served = (prompts.latest(k) for k in sorted(prompts.snapshot()))
         for update in (u for u in served if u is not None):

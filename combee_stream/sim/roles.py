@@ -29,7 +29,7 @@ from combee_stream.sim.markers import (
     mentions_lesson,
 )
 from combee_stream.sim.settings import RealismModel
-from combee_stream.sim.tasks import poison_of, task_code, task_lesson
+from combee_stream.sim.tasks import poison_of, task_code, task_lesson, wrong_code
 
 Role = Literal["reflector", "curator", "combiner", "agent", "consolidator"]
 CURATOR_SECTION = "STRATEGIES & INSIGHTS"
@@ -244,13 +244,13 @@ def answer(system: str, prompt: str, *, seed: int) -> AgentOutput:
             reasoning=f"Simulated agent: the prompt carries {poison}.",
             bullet_ids=misled,
             expression="",
-            final_answer=str(code + 1),
+            final_answer=str(wrong_code(code)),
         )
     return AgentOutput(
         reasoning=f"Simulated agent: the prompt {'carries' if knows else 'lacks'} {lesson_id}.",
         bullet_ids=carriers,
         expression="",
-        final_answer=str(code if knows else code + 1),
+        final_answer=str(code if knows else wrong_code(code)),
     )
 
 

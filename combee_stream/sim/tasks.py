@@ -33,6 +33,12 @@ def task_code(seed: int, lesson_id: str) -> int:
     return 1000 + int.from_bytes(digest[:4], "big") % 9000
 
 
+def wrong_code(code: int) -> int:
+    """The code a simulated agent that lacks the lesson gives: another code of the same range,
+    far from the right one (no scorer's tolerance may take it for the right one)."""
+    return 1000 + (code - 1000 + 4500) % 9000
+
+
 def poison_of(lesson_id: str) -> str:
     """The id of the poison for ``lesson_id``: a bullet carrying it makes every task that needs
     the lesson fail, whether or not the prompt also carries the lesson (a wrong rule that
@@ -42,9 +48,8 @@ def poison_of(lesson_id: str) -> str:
 
 def poison_line(seed: int, lesson_id: str) -> str:
     """A plausible wrong rule for the cases of ``lesson_id``, as a poisoned trace carries it."""
-    return marker_line(
-        poison_of(lesson_id), f"{lesson_text(seed, lesson_id)[:-1]}, but report the code plus one."
-    )
+    rule = lesson_text(seed, lesson_id)[:-1]
+    return marker_line(poison_of(lesson_id), f"{rule}, but report the code shifted by half.")
 
 
 def task_traces(
@@ -62,7 +67,7 @@ def task_traces(
                 key=task.family,
                 trace_id=f"{prefix}-{task.id}",
                 task=task.question,
-                output=str(int(task.answer) + 1),
+                output=str(wrong_code(int(task.answer))),
                 feedback=Feedback(
                     passed=False,
                     score=0.0,
@@ -114,4 +119,5 @@ __all__ = [
     "task_code",
     "task_lesson",
     "task_traces",
+    "wrong_code",
 ]
