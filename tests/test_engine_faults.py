@@ -33,6 +33,7 @@ from combee_stream.config import BrokerConfig, Config
 from combee_stream.engine import Engine
 from combee_stream.kafka.broker import start_broker, stop_broker
 from combee_stream.kafka.dlq import H_ERROR, H_OFFSET, H_PARTITION, H_STAGE
+from combee_stream.kafka.history import read_history
 from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.topics import ensure_topics
 from combee_stream.schemas import PromptUpdate, Trace, decode
@@ -160,6 +161,11 @@ async def test_two_instances_one_killed_survivor_finishes(
     assert_exactly_once(updates, {t.trace_id for t in traces})
     # b took over: assigned at start (its share), then again after a's session expired
     assert (tmp_path / "b.log").read_text().count("partitions assigned") >= 2
+    # The history survived the rebalance: every version of every key, once, as published.
+    for key in {t.key for t in traces}:
+        published = {u.version: u for u in updates if u.key == key}
+        history = await read_history(cfg.kafka, key)
+        assert history.versions == published, key
 
 
 @pytest.mark.anyio
