@@ -136,6 +136,9 @@ class LLMConfig(_Section):
     combiner: RoleConfig = field(default_factory=RoleConfig)
     # The example agent (combee_stream.agent.Answerer): `eval`, the quality benchmark, the demo.
     agent: RoleConfig = field(default_factory=RoleConfig)
+    # The LLM judge of the replay gate (gate.scorer = "judge"): is an answer right, given the
+    # task and its reference answer? A separate role, so it can be a stronger model.
+    judge: RoleConfig = field(default_factory=RoleConfig)
     embeddings: EmbeddingsConfig = field(default_factory=EmbeddingsConfig)
     concurrency: Positive = 16
     requests_per_minute: Annotated[int, Meta(ge=0)] = 0  # 0 = unlimited
@@ -284,7 +287,9 @@ class GateConfig(_Section):
     # agent), scored against the trace's ground truth with `scorer`. Or "module:function", an
     # async callable (prompt: str, task: HeldOutTask) -> score in [0, 1].
     evaluator: str = "agent"
-    scorer: Literal["exact", "numeric", "contains"] = "numeric"
+    # "judge": an LLM (the llm.judge role) decides whether the answer matches the reference,
+    # for answers in words that no string rule can compare.
+    scorer: Literal["exact", "numeric", "contains", "judge"] = "numeric"
     # A trace whose task or ground truth is longer than this is never held out (the reservoir
     # travels with every version).
     max_task_chars: Positive = 2_000

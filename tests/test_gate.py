@@ -20,11 +20,11 @@ from combee_stream.core.holdout import HoldoutPolicy, rank
 from combee_stream.core.learner import Learner
 from combee_stream.core.llm import LLMClient
 from combee_stream.core.pipeline import KeyPipeline, MemorySink, PipelineSettings, closed_inbox
-from combee_stream.core.replay import lower_bound
+from combee_stream.core.replay import AgentEvaluator, lower_bound
 from combee_stream.core.versions import KeyChain
 from combee_stream.engine import Engine
 from combee_stream.kafka.history import PRODUCTION, read_history
-from combee_stream.schemas import Feedback, PromptUpdate, Source, Trace
+from combee_stream.schemas import Feedback, HeldOutTask, PromptUpdate, Source, Trace
 from combee_stream.sim import (
     IN_PROCESS_BASE_URL,
     SimSettings,
@@ -211,3 +211,25 @@ async def wait_consumed(cfg: Config, ids: set[str], limit_s: float = 180) -> lis
             if ids <= set(consumed(updates)):
                 return updates
             await anyio.sleep(0.5)
+
+
+@pytest.mark.anyio
+async def test_the_llm_judge_scores_answers_against_the_reference() -> None:
+    """gate.scorer = "judge": each answer goes to the judge role with the task and the
+    reference; the verdict is the score (the simulator's judge compares the results)."""
+    judge_gate = msgspec.structs.replace(GATE, scorer="judge")
+    cfg = Config(llm=simulated_llm(IN_PROCESS_BASE_URL), gate=judge_gate)
+    [task] = sim_tasks(1, 1, 1)
+    held = HeldOutTask(trace_id="t", task=task.question, answer=task.answer, rank=0)
+    async with sim_http_client(SimSettings(seed=0)) as http:
+        llm = LLMClient(cfg.llm, http_client=http, env={})
+        try:
+            evaluator = AgentEvaluator(llm, "judge")
+            assert await evaluator.judge(held, f"The code is {task.answer}.") is True
+            assert await evaluator.judge(held, "The code is 1234.") is False
+            lesson = task.metadata["feedback"]  # the prompt carries the lesson: right answer
+            assert (await evaluator(f"[b-1] :: {lesson}", held)).value == 1.0
+            assert (await evaluator("", held)).value == 0.0
+            assert llm.usage()["judge"].calls == 4
+        finally:
+            await llm.aclose()

@@ -24,6 +24,9 @@ BLOCKS: Final = (
     "partial_updates",
     "question",
     "section_bullets",
+    "task",
+    "reference",
+    "judged_answer",
 )
 CONTINUATION: Final = "  | "
 _TAG = re.compile(r"<\s*(/?)\s*(" + "|".join(BLOCKS) + r")\s*>", re.IGNORECASE)

@@ -236,6 +236,10 @@ def required_roles(config: Config, strategy_name: str | None = None) -> list[Rol
         roles.append("combiner")
     if config.llm.embeddings.enabled:
         roles.append("embeddings")
+    if config.gate.replay and config.gate.evaluator == "agent":
+        roles.append("agent")  # the replay gate answers held-out tasks itself
+        if config.gate.scorer == "judge":
+            roles.append("judge")
     return roles
 
 

@@ -38,8 +38,8 @@ log = get_logger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
 
-Role = Literal["reflector", "curator", "combiner", "agent"]
-ROLES: Final[tuple[Role, ...]] = ("reflector", "curator", "combiner", "agent")
+Role = Literal["reflector", "curator", "combiner", "agent", "judge"]
+ROLES: Final[tuple[Role, ...]] = ("reflector", "curator", "combiner", "agent", "judge")
 EMBEDDINGS: Final = "embeddings"  # the usage() entry for embedding calls
 ChatMessage = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": ...}
 

@@ -42,6 +42,7 @@ from msgspec import Struct
 
 from combee_stream.agent.answerer import Answerer
 from combee_stream.config import GateConfig
+from combee_stream.core.fencing import fence
 from combee_stream.core.gate import Candidate, Verdict
 from combee_stream.core.holdout import HoldoutPolicy, review_tasks
 from combee_stream.core.llm import LLMCallError, LLMClient
@@ -63,17 +64,58 @@ Evaluator = Callable[[str, HeldOutTask], Awaitable[float | Score]]
 NAME: Final = "replay"
 
 
+JUDGE: Final = """\
+Decide whether an answer to a task is correct, given the reference answer. The answer is \
+correct when it states the same result as the reference (other wording, units written out, or \
+rounding within the precision the reference shows are fine); it is wrong when it states another \
+result, several conflicting ones, or none.
+
+<task>
+{task}
+</task>
+
+<reference>
+{reference}
+</reference>
+
+<judged_answer>
+{answer}
+</judged_answer>
+
+Answer with one JSON object: "reasoning" (briefly, why) and "correct" (true or false)."""
+
+
+class JudgeOutput(Struct, forbid_unknown_fields=False):
+    reasoning: str
+    correct: bool
+
+
 class AgentEvaluator:
     """The engine's own agent: one structured call per task through the ``agent`` role,
-    scored 1 or 0 against the task's ground truth."""
+    scored 1 or 0 against the task's ground truth by a string rule, or by the ``judge`` role
+    (``gate.scorer = "judge"``: one more call per answer)."""
 
     def __init__(self, llm: LLMClient, scorer: str) -> None:
+        self._llm = llm
         self._answerer = Answerer(llm)
-        self._score = SCORERS[scorer]
+        self._score = SCORERS.get(scorer)  # None: the judge
 
     async def __call__(self, prompt: str, task: HeldOutTask) -> Score:
         answer = await self._answerer.answer(prompt, task.task)
-        return Score(1.0 if self._score(answer.output, task.answer) else 0.0, answer.bullet_ids)
+        if self._score is not None:
+            right = self._score(answer.output, task.answer)
+        else:
+            right = await self.judge(task, answer.output)
+        return Score(1.0 if right else 0.0, answer.bullet_ids)
+
+    async def judge(self, task: HeldOutTask, answer: str) -> bool:
+        text = JUDGE.format(
+            task=fence(task.task), reference=fence(task.answer), answer=fence(answer)
+        )
+        completion = await self._llm.complete(
+            "judge", [{"role": "user", "content": text}], JudgeOutput
+        )
+        return completion.value.correct
 
 
 def load_evaluator(spec: str) -> Evaluator:
@@ -121,6 +163,8 @@ class ReplayGate:
     def from_config(cls, config: GateConfig, llm: LLMClient) -> ReplayGate:
         if config.evaluator == "agent":
             llm.require("agent")
+            if config.scorer == "judge":
+                llm.require("judge")
             return cls(config, AgentEvaluator(llm, config.scorer))
         return cls(config, load_evaluator(config.evaluator))
 

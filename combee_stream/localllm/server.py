@@ -66,6 +66,7 @@ def local_llm_config(server: LocalServer, llm: LLMConfig | None = None) -> LLMCo
         curator=role_config(server, max_tokens=900, max_string_chars=400, max_list_items=8),
         combiner=role_config(server, max_tokens=900, max_string_chars=400, max_list_items=12),
         agent=role_config(server, max_tokens=800, max_string_chars=600, max_list_items=8),
+        judge=role_config(server, max_tokens=300, max_string_chars=300, max_list_items=4),
         concurrency=server.parallel,
         timeout_s=max(llm.timeout_s, 900.0),
         max_attempts=3,

@@ -248,7 +248,8 @@ class SimApp:
         if role is None:
             raise BadRequest(
                 "the simulator cannot tell the role: no user message carries a <trace>, "
-                "<reflections>, <partial_updates>, <section_bullets> or <question> block",
+                "<reflections>, <partial_updates>, <section_bullets>, <judged_answer> or "
+                "<question> block",
                 "messages",
             )
         settings, stats = self.settings, self._stats

@@ -17,6 +17,7 @@ import msgspec
 
 from combee_stream.agent.answerer import AgentOutput
 from combee_stream.core.outputs import ConsolidatorOutput, CuratorOutput, Merge, ReflectorOutput
+from combee_stream.core.replay import JudgeOutput
 from combee_stream.schemas import AddOp, BulletTag, Operation
 from combee_stream.sim.faults import unit
 from combee_stream.sim.markers import (
@@ -30,13 +31,15 @@ from combee_stream.sim.markers import (
 )
 from combee_stream.sim.settings import RealismModel
 from combee_stream.sim.tasks import poison_of, task_code, task_lesson, wrong_code
+from combee_stream.tasks.base import parse_number
 
-Role = Literal["reflector", "curator", "combiner", "agent", "consolidator"]
+Role = Literal["reflector", "curator", "combiner", "agent", "consolidator", "judge"]
 CURATOR_SECTION = "STRATEGIES & INSIGHTS"
 
 # Checked in this order: a curator prompt never carries <partial_updates>, a reflector prompt
 # never carries <reflections>.
 _ROLE_TAGS: tuple[tuple[str, Role], ...] = (
+    ("judged_answer", "judge"),
     ("section_bullets", "consolidator"),
     ("partial_updates", "combiner"),
     ("reflections", "curator"),
@@ -278,6 +281,20 @@ def consolidate(prompt: str) -> ConsolidatorOutput:
     )
 
 
+def judge(prompt: str) -> JudgeOutput:
+    """Right when the answer's last number equals the reference's (text answers: the same
+    words, case and spacing aside), as a careful judge of these tasks would rule."""
+    answer = (block(prompt, "judged_answer") or "").strip()
+    reference = (block(prompt, "reference") or "").strip()
+    got, want = parse_number(answer), parse_number(reference)
+    same = (
+        got == want if got is not None and want is not None else answer.lower() == reference.lower()
+    )
+    return JudgeOutput(
+        reasoning=f"Simulated judge: {'same' if same else 'another'} result.", correct=same
+    )
+
+
 def respond(
     role: Role,
     prompt: str,
@@ -288,8 +305,10 @@ def respond(
     system: str = "",
 ) -> bytes:
     """The JSON content the role answers with."""
-    output: ReflectorOutput | CuratorOutput | AgentOutput | ConsolidatorOutput
-    if role == "consolidator":
+    output: ReflectorOutput | CuratorOutput | AgentOutput | ConsolidatorOutput | JudgeOutput
+    if role == "judge":
+        output = judge(prompt)
+    elif role == "consolidator":
         output = consolidate(prompt)
     elif role == "reflector":
         output = reflect(prompt, seed=seed, realism=realism)
@@ -310,6 +329,7 @@ __all__ = [
     "consolidate",
     "curate",
     "identify_role",
+    "judge",
     "overload_keep",
     "reflect",
     "respond",

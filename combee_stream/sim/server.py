@@ -33,6 +33,7 @@ def simulated_llm(base_url: str, llm: LLMConfig | None = None, **overrides: Any)
         curator=role,
         combiner=role,
         agent=role,
+        judge=role,
         embeddings=embeddings,
         **overrides,
     )
