@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 from collections import Counter, defaultdict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +18,13 @@ import anyio
 import msgspec
 
 from combee_stream.config import Config
+from combee_stream.core.learner import Learner
+from combee_stream.core.llm import LLMClient
 from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.reader import read_to_end
 from combee_stream.kafka.reader import read_updates as read_topic_updates
 from combee_stream.schemas import PromptUpdate, Trace
-from combee_stream.sim import simulated_llm
+from combee_stream.sim import IN_PROCESS_BASE_URL, SimSettings, sim_http_client, simulated_llm
 from combee_stream.sim.markers import retained_ids
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,6 +66,18 @@ def engine_config(
         shutdown_grace_s=20.0,
     )
     return msgspec.structs.replace(config, kafka=kafka, llm=llm, learning=learning, engine=engine)
+
+
+@asynccontextmanager
+async def sim_learner(cfg: Config, seed: int = 0) -> AsyncIterator[Learner]:
+    """``Learner.from_config(cfg)`` with every LLM role on an in-process simulator."""
+    cfg = msgspec.structs.replace(cfg, llm=simulated_llm(IN_PROCESS_BASE_URL, cfg.llm))
+    async with sim_http_client(SimSettings(seed=seed)) as http:
+        llm = LLMClient(cfg.llm, http_client=http, env={})
+        try:
+            yield Learner.from_config(cfg, llm)
+        finally:
+            await llm.aclose()
 
 
 def env_for(cfg: Config) -> dict[str, str]:

@@ -6,20 +6,18 @@ of a lesson as a bullet of its own and whose consolidator recognises the wording
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 
 import pytest
+from engine_support import sim_learner
 
 from combee_stream.config import Config, LearningConfig
 from combee_stream.core.controller import FixedBatch
 from combee_stream.core.learner import Learner
-from combee_stream.core.llm import LLMClient
 from combee_stream.core.pipeline import KeyPipeline, MemorySink, PipelineSettings, closed_inbox
 from combee_stream.core.playbook import new_playbook, playbook_tokens
 from combee_stream.core.versions import KeyChain
 from combee_stream.schemas import Bullet, Feedback, PromptUpdate, Section, Source, Trace
-from combee_stream.sim import IN_PROCESS_BASE_URL, SimSettings, sim_http_client, simulated_llm
 from combee_stream.sim.markers import VARIANT, base_id, marker_line, retained_ids
 from combee_stream.sim.traces import lesson_text
 
@@ -33,18 +31,9 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@asynccontextmanager
-async def learner(**learning: object) -> AsyncIterator[Learner]:
-    cfg = Config(
-        llm=simulated_llm(IN_PROCESS_BASE_URL),
-        learning=LearningConfig(seed=0, token_budget=BUDGET, **learning),  # type: ignore[arg-type]
-    )
-    async with sim_http_client(SimSettings(seed=0)) as http:
-        llm = LLMClient(cfg.llm, http_client=http, env={})
-        try:
-            yield Learner.from_config(cfg, llm)
-        finally:
-            await llm.aclose()
+def learner(**learning: object) -> AbstractAsyncContextManager[Learner]:
+    settings = LearningConfig(seed=0, token_budget=BUDGET, **learning)  # type: ignore[arg-type]
+    return sim_learner(Config(learning=settings))
 
 
 def worded_stream() -> list[Trace]:

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 
 import anyio
 import msgspec
 import pytest
-from engine_support import engine_config, produce, read_updates
+from engine_support import engine_config, produce, read_updates, sim_learner
 
 from combee_stream.config import Config, GateConfig, LearningConfig
 from combee_stream.core.controller import FixedBatch
@@ -85,15 +84,8 @@ def test_holdout_is_a_function_of_the_trace_id() -> None:
     assert [t.rank for t in one.tasks] == sorted(t.rank for t in tasks)[:10]  # type: ignore[union-attr]
 
 
-@asynccontextmanager
-async def gated_learner(gate: GateConfig = GATE) -> AsyncIterator[Learner]:
-    cfg = Config(llm=simulated_llm(IN_PROCESS_BASE_URL), learning=LearningConfig(seed=0), gate=gate)
-    async with sim_http_client(SimSettings(seed=0)) as http:
-        llm = LLMClient(cfg.llm, http_client=http, env={})
-        try:
-            yield Learner.from_config(cfg, llm)
-        finally:
-            await llm.aclose()
+def gated_learner(gate: GateConfig = GATE) -> AbstractAsyncContextManager[Learner]:
+    return sim_learner(Config(learning=LearningConfig(seed=0), gate=gate))
 
 
 def poisoned_stream(good: int, poisoned: int, lessons: int = 12) -> list[Trace]:
@@ -165,21 +157,9 @@ async def test_the_engine_never_serves_a_poisoned_candidate_across_a_restart(
         cfg = msgspec.structs.replace(
             cfg, gate=GATE, learning=msgspec.structs.replace(cfg.learning, seed=0)
         )
-        engine = Engine(cfg)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(engine.run)
-            await engine.started.wait()
-            await produce(cfg, good)
-            learned = await wait_consumed(cfg, {t.trace_id for t in good})
-            engine.stop()
+        learned = await engine_learns(cfg, good, {t.trace_id for t in good})
         # A restarted engine has the held-out tasks back from the key's newest version.
-        engine = Engine(cfg)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(engine.run)
-            await engine.started.wait()
-            await produce(cfg, bad)
-            updates = await wait_consumed(cfg, {t.trace_id for t in traces})
-            engine.stop()
+        updates = await engine_learns(cfg, bad, {t.trace_id for t in traces})
     keyed = sorted((u for u in updates if u.key == KEY), key=lambda u: u.version)
     assert consumed(keyed) == Counter(t.trace_id for t in traces)  # once each, none lost
     assert all("poison." not in u.prompt for u in keyed)
@@ -202,6 +182,18 @@ def lessons(updates: list[PromptUpdate]) -> set[str]:
     newest = max((u for u in updates if u.key == KEY), key=lambda u: u.version)
     return {line.split("LESSON[", 1)[1].split("]", 1)[0] for line in newest.prompt.splitlines()
             if "LESSON[" in line}  # fmt: skip
+
+
+async def engine_learns(cfg: Config, traces: list[Trace], ids: set[str]) -> list[PromptUpdate]:
+    """An engine run that sends ``traces`` and stops once ``ids`` are all consumed."""
+    engine = Engine(cfg)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(engine.run)
+        await engine.started.wait()
+        await produce(cfg, traces)
+        updates = await wait_consumed(cfg, ids)
+        engine.stop()
+    return updates
 
 
 async def wait_consumed(cfg: Config, ids: set[str], limit_s: float = 180) -> list[PromptUpdate]:
