@@ -200,7 +200,7 @@ class Releaser:
         if self.applies(update.key):
             state = self._keys.setdefault(update.key, KeyRelease())
             state.newest = max(state.newest, update.version)
-            self._send.send_nowait((update.key, update))
+            self._offer((update.key, update))
 
     def forget(self, key: str) -> None:
         """The key left this instance (revoked): its next owner counts afresh."""
@@ -209,7 +209,17 @@ class Releaser:
     def _queue(self, key: str, update: PromptUpdate | None, state: KeyRelease) -> None:
         if not state.queued:
             state.queued = True
-            self._send.send_nowait((key, update))
+            self._offer((key, update))
+
+    def _offer(self, job: Job) -> None:
+        # Never blocks the engine's intake or publisher: with the label writer stuck (Kafka
+        # down) and the queue full, a job is dropped; the key's next version or look asks again.
+        try:
+            self._send.send_nowait(job)
+        except anyio.WouldBlock:
+            log.warning("release queue full: a label decision waits", key=job[0])
+            if (state := self._keys.get(job[0])) is not None:
+                state.queued = False
 
     def _ready(self, state: KeyRelease, trial: Trial | None) -> bool:
         """Whether ``trial`` has the samples for its next look."""
@@ -238,7 +248,7 @@ class Releaser:
             except KafkaError as exc:
                 log.warning("label move failed, retrying", key=key, error=str(exc))
                 await anyio.sleep(1.0)
-                self._send.send_nowait((key, update))
+                self._offer((key, update))
 
     async def _job(self, key: str, state: KeyRelease, update: PromptUpdate | None) -> None:
         if state.labels is None:
