@@ -47,12 +47,12 @@ from combee_stream.formats.spans import LogEvent, Span, SpanEvent
 from combee_stream.otel import PromptSpanProcessor
 from combee_stream.schemas import Feedback, Trace
 from combee_stream.sim import SimSettings, sim_server
-from combee_stream.sim.tasks import sim_tasks, task_code
+from combee_stream.sim.tasks import sim_tasks, task_code, wrong_code
 
 SEED = 5
 TASK = sim_tasks(1, keys=1, lessons=1, seed=SEED)[0]
-# The simulated agent's prompt lacks the task's lesson: it answers the code plus one.
-ANSWER = str(task_code(SEED, TASK.metadata["lesson"]) + 1)
+# The simulated agent's prompt lacks the task's lesson: it answers another code.
+ANSWER = str(wrong_code(task_code(SEED, TASK.metadata["lesson"])))
 FEEDBACK = Feedback(passed=False, ground_truth=TASK.answer)
 SETTINGS = IngestConfig()
 
