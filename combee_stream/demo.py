@@ -3,7 +3,7 @@
 1. the local Kafka broker and fresh topics (every run learns from scratch);
 2. an LLM: the config's agent endpoint if one is set, else a local model served here by
    llama.cpp (``llm serve``; the first run builds it: say so, show progress);
-3. the engine, with the batch-size controller;
+3. the engine, with the batch-size controller (and, in ``--sim``, the replay gate: ``DEMO_GATE``);
 4. the example agent at work on generated finance problems: every task is answered with the
    current prompt of key ``finance`` and sent back as a trace with the environment's feedback;
 5. live in the terminal (rich): accuracy of the agent per prompt version, the batch size the
@@ -141,7 +141,7 @@ async def _sim_demo(args: argparse.Namespace, config: Config) -> int:
                         say(
                             f"   {update.key} v{update.version}: +{update.stats.window_traces} "
                             f"traces (total {update.stats.traces_learned}), {bullets} bullets"
-                            f"{_gate_note(update)}"
+                            f"{gate_note(update)}"
                         )
                         if all(learned[k] >= want[k] for k in keys):
                             break
@@ -154,7 +154,8 @@ async def _sim_demo(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
-def _gate_note(update: PromptUpdate) -> str:
+def gate_note(update: PromptUpdate) -> str:
+    """What the publish gate did with a version, in a few words (for the demos)."""
     stats = update.stats
     held = f", {len(stats.held_out)} held out" if stats.held_out else ""
     if stats.rejection is not None:

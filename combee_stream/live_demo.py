@@ -2,7 +2,14 @@
 
 See :mod:`combee_stream.demo` for the steps. The view is a rich ``Live`` table refreshed as the
 agent answers and versions arrive: per prompt version, the agent's runs and how many were right,
-the batch size the controller chose for the window that made it, and the bullets.
+the batch size the controller chose for the window that made it, the bullets, and what the
+publish gate did with it.
+
+The gate is as the config says (off by default; ``COMBEE__GATE__REPLAY=true`` turns it on). It is
+not forced on here as in ``demo --sim``: with the gate on (``DEMO_GATE``, numeric scorer), a run
+of this demo on 2026-12-01 held out 6 of its 24 tasks, reached 5 held-out tasks by the end and
+refused every window for want of ``min_samples``; a held-out test needs a longer stream than a
+demo's.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from rich.table import Table
 from combee_stream.agent import Answerer, PromptClient, RunRecorder
 from combee_stream.config import Config
 from combee_stream.core.llm import LLMClient
-from combee_stream.demo import _fresh_kafka
+from combee_stream.demo import _fresh_kafka, gate_note
 from combee_stream.engine import Engine
 from combee_stream.evaluation import compare, evaluate
 from combee_stream.kafka.producer import TraceProducer
@@ -54,6 +61,7 @@ class View:
             "window (batch size)",
             "bullets",
             "newest bullet",
+            "publish gate",
         ):
             table.add_column(column, overflow="fold")
         for version in sorted(set(self.runs) | set(self.versions)):
@@ -69,6 +77,7 @@ class View:
                 f"{update.stats.window_traces} ({update.stats.batch_size})" if update else "-",
                 str(len(bullets)),
                 newest,
+                gate_note(update).lstrip(",; ") if update else "",
             )
         status = Panel(f"{self.phase}  -  {self.done}/{self.tasks} tasks answered", title="now")
         return Group(status, table)
@@ -164,7 +173,8 @@ async def run_live_demo(args: argparse.Namespace, config: Config) -> int:
 
 
 def _learned(view: View) -> int:
-    return max((u.stats.traces_learned for u in view.versions.values()), default=0)
+    """Traces the published versions consumed: learned, or held out by the gate."""
+    return sum(u.stats.window_traces + len(u.stats.held_out) for u in view.versions.values())
 
 
 async def _with_model(stack: AsyncExitStack, cfg: Config, args: argparse.Namespace) -> Config:
