@@ -648,3 +648,38 @@ async def test_the_content_policy_refuses_an_injection_and_bullets_say_where_the
     assert await _inspect(args, cfg) == 0
     shown = capsys.readouterr().out
     assert bullets[0].id in shown and all(t in shown for t in bullets[0].sources)
+
+
+@pytest.mark.anyio
+async def test_an_open_breaker_with_no_caller_left_is_probed_closed() -> None:
+    """The calls that opened the breaker are gone (cancelled with a revoked partition; or all
+    timed out at once in a process frozen past the timeout and thawed, as a paused zombie's
+    were): nothing would ever call the endpoint again while intake is paused for the outage.
+    probe() (the engine's outage prober) finds it back."""
+    from combee_stream.core.llm import LLMClient
+    from combee_stream.core.outputs import ReflectorOutput
+    from combee_stream.sim import simulated_llm
+
+    port = free_port()
+    llm_cfg = simulated_llm(
+        f"http://127.0.0.1:{port}/v1", timeout_s=1.0, max_attempts=2, breaker_threshold=2
+    )
+    llm = LLMClient(llm_cfg, env={})
+    try:
+        message = [{"role": "user", "content": "<trace>\nx\n</trace>"}]
+        with anyio.move_on_after(30):
+            async with anyio.create_task_group() as callers:
+                for _ in range(3):
+                    callers.start_soon(llm.complete, "reflector", message, ReflectorOutput)
+                while not llm.outage:  # noqa: ASYNC110 - a flag the client sets
+                    await anyio.sleep(0.05)
+                callers.cancel_scope.cancel()  # the callers are gone
+        assert llm.outage
+        async with sim_server(SimSettings(seed=1), port=port):
+            await anyio.sleep(2)
+            assert llm.outage, "no caller: nothing finds out the endpoint is back"
+            with anyio.fail_after(60):
+                await llm.probe()
+            assert not llm.outage
+    finally:
+        await llm.aclose()

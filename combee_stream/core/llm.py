@@ -10,6 +10,7 @@ Every finished call is stored in a ``CompletionMemo``, so the same request is ne
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import json
 import os
@@ -335,6 +336,19 @@ class LLMClient:
     def outage(self) -> bool:
         """Whether an endpoint of this client is down (its circuit breaker is open)."""
         return any(b.open for b in self._breakers.values())
+
+    async def probe(self) -> None:
+        """One request (the model list) to each endpoint whose breaker is open, through the
+        breaker (waiting for its next probe slot): any HTTP answer closes it. Callers waiting in
+        the breaker probe it themselves; this is for when none is left. The engine calls it while
+        intake is paused for an outage: once the calls that saw the endpoint down are gone
+        (cancelled with a revoked partition, or all timed out at once in a process frozen and
+        thawed), nothing else would ever find out that it is back."""
+        for client in list(self._clients.values()):
+            breaker = self._breakers.get(client)
+            if breaker is not None and breaker.open:
+                with contextlib.suppress(_Transient, _Fatal):
+                    await self._send(client.models.list, 0, breaker)
 
     @property
     def memo(self) -> CompletionMemo:

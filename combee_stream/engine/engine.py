@@ -157,6 +157,7 @@ class Engine:
                     tg.start_soon(self._serve_metrics)
                 tg.start_soon(self._restorer)
                 tg.start_soon(self._committer)
+                tg.start_soon(self._outage_prober)
                 if self._release.enabled:
                     tg.start_soon(self._release.run)
                 self.started.set()
@@ -330,6 +331,14 @@ class Engine:
                 "refusing to learn it again from an older state"
             )
         return update
+
+    async def _outage_prober(self) -> None:
+        """While an LLM endpoint is down intake is paused; probe it, so that learning resumes
+        even when no call is left to find out that it is back."""
+        while True:
+            await anyio.sleep(1.0)
+            if self._llm.outage:
+                await self._llm.probe()
 
     # ------------------------------------------------------------------ commits
 
