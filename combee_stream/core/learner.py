@@ -511,18 +511,15 @@ class Learner:
         # onto it. One version either way; the gate reviews it whole.
         base, consolidation = onto, None
         if self._near_budget(onto, result):
-            full = await self._apply(onto, delta, proposal.tasks, budget=None)
+            # (What fit the budget is what no budget gives: not applied, nor reviewed, twice.)
+            full = (
+                result
+                if result.applied
+                else await self._apply(onto, delta, proposal.tasks, budget=None)
+            )
             merged, consolidation = await self.consolidate(full.playbook, stats)
-            tokens = playbook_tokens(merged)
-            if consolidation is not None and tokens <= self._config.token_budget:
-                kept = {b.id for s in merged.sections for b in s.bullets}
-                result = msgspec.structs.replace(
-                    full,
-                    playbook=merged,
-                    tokens=tokens,
-                    added=[i for i in full.added if i in kept],
-                    updated=[i for i in full.updated if i in kept],
-                )
+            if consolidation is not None and playbook_tokens(merged) <= self._config.token_budget:
+                result = _narrowed(full, merged)
             else:
                 base, consolidation = await self.consolidate(onto, stats)
                 if consolidation is not None:
@@ -564,14 +561,7 @@ class Learner:
                 pruned = _without(result.playbook, set(verdict.blame))
                 second = await review(pruned)
                 if second.accepted:
-                    kept = {b.id for s in pruned.sections for b in s.bullets}
-                    result = msgspec.structs.replace(
-                        result,
-                        playbook=pruned,
-                        tokens=playbook_tokens(pruned),
-                        added=[i for i in result.added if i in kept],
-                        updated=[i for i in result.updated if i in kept],
-                    )
+                    result = _narrowed(result, pruned)
                     if second.report is not None:
                         report = msgspec.structs.replace(second.report, pruned=verdict.blame)
                 verdict = second if second.accepted else verdict
@@ -630,11 +620,10 @@ class Learner:
         names unknown or already merged bullets, or whose text is too long or breaks the
         content policy, is refused; a section whose call fails is left as it is."""
         before = playbook_tokens(playbook)
-        out = copy_playbook(playbook)
         margin = self._config.drop_harmful_margin
-        dropped = [b.id for s in out.sections for b in s.bullets if b.harmful >= b.helpful + margin]
-        for section in out.sections:
-            section.bullets = [b for b in section.bullets if b.id not in dropped]
+        bullets = [b for s in playbook.sections for b in s.bullets]
+        dropped = [b.id for b in bullets if b.harmful >= b.helpful + margin]
+        out = _without(playbook, set(dropped))
         limit = self._config.max_bullet_chars
         proposals: dict[int, ConsolidatorOutput] = {}
 
@@ -753,10 +742,23 @@ class Learner:
 
 
 def _without(playbook: Playbook, ids: set[str]) -> Playbook:
+    """A copy of ``playbook`` without the bullets ``ids``."""
     out = copy_playbook(playbook)
     for section in out.sections:
         section.bullets = [b for b in section.bullets if b.id not in ids]
     return out
+
+
+def _narrowed(result: ApplyResult, playbook: Playbook) -> ApplyResult:
+    """``result`` with ``playbook`` (its own, some bullets merged or left out) in its place."""
+    kept = {b.id for s in playbook.sections for b in s.bullets}
+    return msgspec.structs.replace(
+        result,
+        playbook=playbook,
+        tokens=playbook_tokens(playbook),
+        added=[i for i in result.added if i in kept],
+        updated=[i for i in result.updated if i in kept],
+    )
 
 
 __all__ = [

@@ -28,13 +28,12 @@ from collections import Counter, OrderedDict
 from msgspec import Struct
 
 from combee_stream.core.learner import WindowResult
-from combee_stream.core.playbook import new_playbook, render
+from combee_stream.core.playbook import copy_playbook, new_playbook, render
 from combee_stream.errors import DecodeError
 from combee_stream.schemas import (
     Holdout,
     Playbook,
     PromptUpdate,
-    Section,
     UpdateStats,
     decode,
     encode,
@@ -186,13 +185,9 @@ def revert_onto(newest: Playbook, target: Playbook) -> Playbook:
     """``target``'s bullets under ``newest``'s version number: what a window is committed onto
     when the key's line since ``target`` was refused (canary) or rolled back. Bullet ids are
     never reused (``next_id`` only grows)."""
-    return Playbook(
-        key=newest.key,
-        version=newest.version,
-        base_prompt=target.base_prompt,
-        sections=decode(encode(target.sections), list[Section]),
-        next_id=max(newest.next_id, target.next_id),
-    )
+    out = copy_playbook(target)
+    out.version, out.next_id = newest.version, max(newest.next_id, target.next_id)
+    return out
 
 
 def _consumed(update: PromptUpdate) -> list[str]:

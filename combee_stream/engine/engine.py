@@ -264,9 +264,7 @@ class Engine:
             self._partitions.pop(p, None)
             if self._tg is not None:
                 self._publisher.drop_partition(p, self._tg)
-        for key, entry in self._intake.keys.items():
-            if entry.chain.partition in partitions:
-                self._release.forget(key)
+        self._release.drop_partitions(partitions)
         self._intake.drop_partitions(partitions)
         self.metrics.health.assigned = any(s.restored.is_set() for s in self._partitions.values())
         log.info("partitions revoked", partitions=sorted(partitions))

@@ -37,7 +37,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Final
 
 import anyio
@@ -51,6 +51,7 @@ from combee_stream.kafka.history import (
     PRODUCTION,
     KeyHistory,
     engine_move,
+    partition_of,
     read_history,
 )
 from combee_stream.logs import get_logger
@@ -202,9 +203,11 @@ class Releaser:
             state.newest = max(state.newest, update.version)
             self._offer((update.key, update))
 
-    def forget(self, key: str) -> None:
-        """The key left this instance (revoked): its next owner counts afresh."""
-        self._keys.pop(key, None)
+    def drop_partitions(self, partitions: Collection[int]) -> None:
+        """Their keys left this instance (revoked): their next owner counts afresh."""
+        count = self._config.kafka.partitions
+        for key in [k for k in self._keys if partition_of(k, count) in partitions]:
+            del self._keys[key]
 
     def _queue(self, key: str, update: PromptUpdate | None, state: KeyRelease) -> None:
         if not state.queued:

@@ -207,22 +207,9 @@ async def move_label(
             approval=labels.approval if approval is None else approval,
         )
     else:
-        others = {k: v for k, v in labels.labels.items() if k != label}
-        if to_version is not None:
-            others[label] = to_version
-        moved = msgspec.structs.replace(labels, labels=others)
-    seq = labels.seq + 1
-    moved = msgspec.structs.replace(moved, seq=seq)
-    move = LabelMove(
-        key=key,
-        seq=seq,
-        label=label,
-        from_version=resolve(labels, label, history.newest),
-        to_version=to_version,
-        approval=approval,
-        by=by,
-        why=why,
-        at=dt.datetime.now(dt.UTC),
+        moved = _pointed(labels, label, to_version)
+    moved, move = _recorded(
+        labels, moved, label, to_version, history.newest, by=by, why=why, approval=approval
     )
     await _write(cfg, key, moved, [move], env)
     return move
@@ -245,27 +232,17 @@ async def engine_move(
     history = await read_history(cfg, key, env)
     labels, moves = history.labels, []
     for label, to in changes.items():
-        before = resolve(labels, label, history.newest)
         if label == PRODUCTION:
             if to == labels.production:
                 continue
             previous = [*labels.previous, labels.production][-_PREVIOUS_KEPT:]
-            labels = msgspec.structs.replace(labels, production=to, previous=previous)
+            moved = msgspec.structs.replace(labels, production=to, previous=previous)
         else:
             if labels.labels.get(label) == to:
                 continue
-            others = {k: v for k, v in labels.labels.items() if k != label}
-            if to is not None:
-                others[label] = to
-            labels = msgspec.structs.replace(labels, labels=others)
-        seq = labels.seq + 1
-        labels = msgspec.structs.replace(labels, seq=seq)
-        moves.append(
-            LabelMove(
-                key=key, seq=seq, label=label, from_version=before, to_version=to, by=by,
-                why=why, at=dt.datetime.now(dt.UTC),
-            )
-        )  # fmt: skip
+            moved = _pointed(labels, label, to)
+        labels, move = _recorded(labels, moved, label, to, history.newest, by=by, why=why)
+        moves.append(move)
     if canary is not None and canary != labels.canary:
         labels = msgspec.structs.replace(labels, canary=canary)
     if labels != history.labels:
@@ -273,6 +250,41 @@ async def engine_move(
         history.labels = labels
         history.moves.extend(moves)
     return history
+
+
+def _pointed(labels: Labels, label: str, to: int | None) -> Labels:
+    """``labels`` with ``label`` (not production) at ``to``; None removes it."""
+    others = {k: v for k, v in labels.labels.items() if k != label}
+    if to is not None:
+        others[label] = to
+    return msgspec.structs.replace(labels, labels=others)
+
+
+def _recorded(
+    before: Labels,
+    after: Labels,
+    label: str,
+    to: int | None,
+    newest: int | None,
+    *,
+    by: str,
+    why: str,
+    approval: bool | None = None,
+) -> tuple[Labels, LabelMove]:
+    """The move from ``before`` to ``after``: ``after`` numbered, and its audit record."""
+    seq = before.seq + 1
+    move = LabelMove(
+        key=before.key,
+        seq=seq,
+        label=label,
+        from_version=resolve(before, label, newest),
+        to_version=to,
+        approval=approval,
+        by=by,
+        why=why,
+        at=dt.datetime.now(dt.UTC),
+    )
+    return msgspec.structs.replace(after, seq=seq), move
 
 
 async def _write(
