@@ -4,14 +4,21 @@
 CombeeError
 ├── UserError                  something the user can fix; the CLI prints it, exit code 2
 │   ├── ConfigError            a config file or COMBEE__* override is invalid
-│   └── MissingEndpointError   an LLM role has no endpoint (core.llm)
+│   ├── MissingEndpointError   an LLM role has no endpoint (core.llm)
+│   ├── BrokerError            the local broker could not be assembled or started (kafka.broker)
+│   ├── TopicMismatchError     a topic exists with settings the engine cannot run on (kafka.topics)
+│   └── StateLostError         the prompts topic is gone under committed progress (kafka.topics)
 ├── DecodeError                a record failed to decode or validate (also a ValueError)
 │   └── SchemaVersionError     a record names a schema version this build does not know
 ├── LLMCallError               an LLM call failed for good (core.llm)
 ├── WindowError                a window could not be reduced (core.learner)
+├── CalculatorError            the example agent's calculator refused an expression (agent)
 └── EngineHalted               the engine stopped itself; the CLI prints it, exit code 1
     └── BrokerUnavailableError the broker could not be written or read past the deadline
 ```
+
+The subclasses live beside the code that raises them and are re-exported where the public API
+needs them; this module holds the root and the classes several subpackages share.
 
 Errors that stay inside the package (retry signals of the LLM client, say) do not derive from it.
 """

@@ -96,7 +96,8 @@ async def serve_asgi(
             # uvicorn offers no startup event; poll its flag (a few ms at most).
             while not server._server.started:
                 if server._stopped.is_set():
-                    raise RuntimeError(f"the HTTP server on {host}:{port} failed to start")
+                    # An OSError, like a failed bind, so callers handle both in one place.
+                    raise OSError(f"the HTTP server on {host}:{port} failed to start")
                 await anyio.sleep(0.005)
             try:
                 yield server

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib
 import pkgutil
+import re
 from pathlib import Path
 
 import combee_stream
@@ -67,7 +68,7 @@ def test_the_package_is_typed() -> None:
     assert (PACKAGE / "py.typed").is_file()
 
 
-def test_every_error_the_package_defines_derives_from_the_root() -> None:
+def test_every_error_the_package_defines_derives_from_the_root_and_is_in_the_tree() -> None:
     for name in errors.__all__:
         assert issubclass(getattr(errors, name), errors.CombeeError), name
     from combee_stream.core.learner import WindowError
@@ -76,6 +77,20 @@ def test_every_error_the_package_defines_derives_from_the_root() -> None:
     for error in (WindowError, LLMCallError, MissingEndpointError):
         assert issubclass(error, errors.CombeeError)
     assert issubclass(MissingEndpointError, errors.UserError)
+    # Every public exception class of every module, so a new one cannot skip the tree or its
+    # drawing in errors.py.
+    tree = errors.__doc__ or ""
+    for name in modules():
+        for attr, obj in vars(importlib.import_module(name)).items():
+            if (
+                isinstance(obj, type)
+                and issubclass(obj, BaseException)
+                and obj.__module__ == name
+                and not attr.startswith("_")
+            ):
+                assert issubclass(obj, errors.CombeeError), f"{name}.{attr}"
+                drawn = re.search(rf"^[│├└─ ]*{attr}\b", tree, re.MULTILINE)
+                assert drawn, f"{name}.{attr} is not drawn in errors.py"
 
 
 def test_kafka_holds_only_kafka() -> None:

@@ -19,12 +19,21 @@ import pytest
 
 from combee_stream import cli
 from combee_stream.config import Config, load_config
+from combee_stream.core.gate import Candidate, Verdict
 from combee_stream.core.learner import Learner
 from combee_stream.core.playbook import new_playbook
 from combee_stream.core.prompts import load_prompts
 from combee_stream.errors import UserError
 from combee_stream.offline import LearnReport, run_learn
-from combee_stream.schemas import BudgetRejection, PromptUpdate, Source, Trace, decode, encode
+from combee_stream.schemas import (
+    BudgetRejection,
+    GateRejection,
+    PromptUpdate,
+    Source,
+    Trace,
+    decode,
+    encode,
+)
 from combee_stream.sim import (
     FaultModel,
     LatencyModel,
@@ -356,6 +365,33 @@ def test_token_budget_rejection_is_recorded_and_traces_still_learned_once(
         assert reason.would_be > budget
         assert update.stats.rejected is None  # the legacy JSON text is no longer written
     assert all(not s.bullets for s in load_playbooks(out)["sim-k0"].sections)
+
+
+class RefuseAll:
+    """A gate of the user's own, given to run_learn (the engine takes one the same way)."""
+
+    name = "refuse_all"
+
+    def __init__(self) -> None:
+        self.reviewed = 0
+
+    async def review(self, candidate: Candidate) -> Verdict:
+        self.reviewed += 1
+        return Verdict(accepted=False, reason="not today")
+
+
+def test_a_gate_of_ones_own_is_consulted_for_every_window(tmp_path: Path) -> None:
+    traces = generate_traces(8, keys=1, lessons=8, seed=5)
+    path = write_traces(tmp_path / "traces.jsonl", traces)
+    gate = RefuseAll()
+    report, _ = anyio.run(
+        lambda: learn(SimSettings(seed=5), path, tmp_path / "out", batch_size="4", gate=gate)
+    )
+    updates = check_history(tmp_path / "out", traces)  # refused, yet every trace learned once
+    assert gate.reviewed == len(updates) == 2 == report.rejected_windows
+    for update in updates:
+        assert update.stats.rejection == GateRejection(gate="refuse_all", reason="not today")
+    assert all(not s.bullets for s in load_playbooks(tmp_path / "out")["sim-k0"].sections)
 
 
 # --------------------------------------------------------------------------- prompts

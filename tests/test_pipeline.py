@@ -253,6 +253,40 @@ async def test_failed_reflections_and_curations_are_parked_after_their_attempts(
     assert sink.updates[0].stats.trace_ids == sorted(t.trace_id for t, _ in batch[3:])
 
 
+class FlakyCommits(Learner):
+    """Commit fails ``failures`` times (an embedding or gate call that keeps failing)."""
+
+    def __init__(self, *args: Any, failures: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.failures = failures
+        self.commit_calls = 0
+
+    async def commit(self, *args: Any, **kwargs: Any) -> Any:
+        self.commit_calls += 1
+        if self.commit_calls <= self.failures:
+            raise WindowError(KEY, "embedding dedup: endpoint said no")
+        return await super().commit(*args, **kwargs)
+
+
+@pytest.mark.anyio
+async def test_a_commit_that_keeps_failing_parks_its_window_and_the_key_goes_on() -> None:
+    batch = items(6)
+    async with client() as llm:
+        sink = MemorySink()
+        # attempts = 2: the first window's commit fails twice (parked), the second's not at all.
+        learner = FlakyCommits(llm, config().learning, failures=2)
+        pipeline = KeyPipeline(
+            KeyChain(KEY), learner, FixedBatch(3), sink, closed_inbox(batch), SYNC
+        )
+        await pipeline.run()
+    assert learner.commit_calls == 2 + 1
+    parked = sorted((f.source.trace_id, stage, f.reason) for f, stage in sink.parked)
+    reason = "commit failed: embedding dedup: endpoint said no"
+    assert parked == sorted((t.trace_id, "curate", reason) for t, _ in batch[:3])
+    check_chain(sink.updates, 3)
+    assert sink.updates[0].stats.trace_ids == sorted(t.trace_id for t, _ in batch[3:])
+
+
 class RejectEveryOther:
     name = "every_other"
 

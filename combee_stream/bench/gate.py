@@ -37,7 +37,7 @@ from msgspec import Struct, field
 from combee_stream.agent.answerer import Answerer
 from combee_stream.bench.report import SIMULATED, Target, document, percentile, table
 from combee_stream.config import Config, GateConfig, LearningConfig
-from combee_stream.core.controller import FixedBatch
+from combee_stream.core.controller import batch_policy
 from combee_stream.core.learner import Learner
 from combee_stream.core.llm import LLMClient
 from combee_stream.core.pipeline import KeyPipeline, MemorySink, Pending, PipelineSettings, Window
@@ -206,7 +206,8 @@ async def _run(
         learner = Learner.from_config(cfg, llm)
         send, recv = anyio.create_memory_object_stream[Pending](len(traces))
         pipeline = KeyPipeline(
-            KeyChain(KEY), learner, FixedBatch(s.batch_size), sink, recv,
+            KeyChain(KEY), learner, batch_policy(cfg.learning, key=KEY, batch_size=s.batch_size),
+            sink, recv,
             PipelineSettings(max_wait_s=2.0),
         )  # fmt: skip
         started = anyio.current_time()

@@ -336,9 +336,25 @@ class KeyPipeline:
         if revert is not None:
             onto = revert_onto(onto, revert[1])
         # Rebased onto the newest version when an earlier window was published meanwhile.
-        result = await self._learner.commit(
-            proposal, onto, holdout=holdout, held_out=sorted(window.held)
-        )
+        # Commit calls an LLM too (semantic dedup's embeddings, consolidation, the replay
+        # gate), so it gets the same attempts as curation and then parks, rather than raising
+        # out of the pipeline and taking every other key's window down with it.
+        result: WindowResult | None = None
+        error = ""
+        for attempt in range(1, self._cfg.attempts + 1):
+            try:
+                result = await self._learner.commit(
+                    proposal, onto, holdout=holdout, held_out=sorted(window.held)
+                )
+                break
+            except WindowError as exc:
+                error = exc.reason
+                log.warning("commit failed", window=window.number, attempt=attempt, reason=error)
+        if result is None:
+            sources = [r.reflection.source for r in window.reflected] + sorted(window.held)
+            failed = [FailedTrace(source=s, reason=f"commit failed: {error}") for s in sources]
+            await self._park(window, failed, "curate")
+            return
         window.result = result
         delay = anyio.current_time() - window.closed_at
         info = WindowInfo(

@@ -36,6 +36,7 @@ from aiokafka.errors import KafkaError
 from anyio.abc import TaskGroup
 
 from combee_stream.config import Config
+from combee_stream.core.gate import PublishGate
 from combee_stream.core.learner import Learner, required_roles
 from combee_stream.core.llm import LLMClient
 from combee_stream.engine.intake import MAX_POLL_RECORDS, Intake
@@ -43,7 +44,7 @@ from combee_stream.engine.metrics import EngineMetrics
 from combee_stream.engine.partition import KeyIndex, Partitions, PartitionState
 from combee_stream.engine.publisher import Publisher
 from combee_stream.engine.release import Releaser
-from combee_stream.errors import EngineHalted
+from combee_stream.errors import EngineHalted, UserError
 from combee_stream.kafka.client import client_kwargs, start_client, stop_quietly
 from combee_stream.kafka.history import partition_of
 from combee_stream.kafka.reader import UpdateFetcher
@@ -69,15 +70,17 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
 class Engine:
     """``await Engine(config).run()`` until ``stop()`` (or SIGTERM with ``handle_signals``).
 
-    Raises :class:`~combee_stream.errors.EngineHalted` when it stopped itself (the broker
-    unreachable past ``engine.broker_deadline_s``), and ``MissingEndpointError`` at construction
-    when an LLM role it needs has no endpoint."""
+    ``gate``: a publish gate of your own instead of the one ``config.gate`` asks for. Raises
+    :class:`~combee_stream.errors.EngineHalted` when it stopped itself (the broker unreachable
+    past ``engine.broker_deadline_s``), and ``MissingEndpointError`` at construction when an LLM
+    role it needs has no endpoint."""
 
     def __init__(
         self,
         config: Config,
         *,
         llm: LLMClient | None = None,
+        gate: PublishGate | None = None,
         env: Mapping[str, str] | None = None,
         handle_signals: bool = False,
     ) -> None:
@@ -111,7 +114,7 @@ class Engine:
             env,
             on_published=self._release.published if self._release.enabled else None,
         )
-        learner = Learner.from_config(config, self._llm)
+        learner = Learner.from_config(config, self._llm, gate=gate)
         self._intake = Intake(
             config,
             self._consumer,
@@ -218,9 +221,16 @@ class Engine:
         from combee_stream.http import serve_asgi
 
         cfg = self.config.engine
-        async with serve_asgi(self.metrics.asgi_app(), cfg.metrics_host, cfg.metrics_port) as url:
-            log.info("metrics endpoint", url=f"{url}/metrics")
-            await anyio.sleep_forever()
+        try:
+            server = serve_asgi(self.metrics.asgi_app(), cfg.metrics_host, cfg.metrics_port)
+            async with server as url:
+                log.info("metrics endpoint", url=f"{url}/metrics")
+                await anyio.sleep_forever()
+        except OSError as exc:
+            raise UserError(
+                f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port} ({exc}); set"
+                " engine.metrics_port to a free port, or 0 for any"
+            ) from exc
 
     # ------------------------------------------------------------------ releases
 

@@ -16,6 +16,7 @@ from combee_stream.config import KafkaConfig
 from combee_stream.errors import UserError
 from combee_stream.kafka.client import client_kwargs, partitions_of, start_client, stop_quietly
 from combee_stream.kafka.producer import make_producer
+from combee_stream.kafka.reader import until_end
 from combee_stream.logs import get_logger
 from combee_stream.schemas import SCHEMA_VERSION
 
@@ -126,25 +127,20 @@ async def replay_dead_letters(
         if not tps:
             raise UserError(f"the DLQ topic {cfg.dlq_topic!r} does not exist")
         consumer.assign(tps)
-        end = await consumer.end_offsets(tps)
         for tp in tps:  # from where this selection got to (the start, the first time)
             committed = await consumer.committed(tp)
             consumer.seek(tp, committed if committed is not None else 0)
         replayed = 0
         async with producer.transaction():
             positions: dict[TopicPartition, int] = {}
-            for tp in tps:
-                while await consumer.position(tp) < end[tp]:
-                    for records in (await consumer.getmany(tp, timeout_ms=500)).values():
-                        for record in records:
-                            headers = {k: v.decode(errors="replace") for k, v in record.headers}
-                            record_key = record.key.decode(errors="replace") if record.key else None
-                            if headers.get(H_STAGE) in stages and key in (None, record_key):
-                                await producer.send(
-                                    cfg.traces_topic, value=record.value, key=record.key
-                                )
-                                replayed += 1
-                            positions[tp] = record.offset + 1
+            async for batch in until_end(consumer, tps):
+                for record in batch:
+                    headers = {k: v.decode(errors="replace") for k, v in record.headers}
+                    record_key = record.key.decode(errors="replace") if record.key else None
+                    if headers.get(H_STAGE) in stages and key in (None, record_key):
+                        await producer.send(cfg.traces_topic, value=record.value, key=record.key)
+                        replayed += 1
+                    positions[TopicPartition(record.topic, record.partition)] = record.offset + 1
             if positions:
                 await producer.send_offsets_to_transaction(positions, group)
         log.info("dead letters replayed", replayed=replayed, selection=selection)

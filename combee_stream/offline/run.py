@@ -35,6 +35,7 @@ from msgspec import Struct
 
 from combee_stream.config import Config
 from combee_stream.core.controller import batch_policy
+from combee_stream.core.gate import PublishGate
 from combee_stream.core.learner import FailedTrace, Learner, required_roles
 from combee_stream.core.llm import LLMClient, RoleUsage
 from combee_stream.core.pipeline import KeyPipeline, PipelineSettings, Window, closed_inbox
@@ -205,10 +206,12 @@ async def run_learn(
     batch_size: str | None = None,
     resume: bool = False,
     seed: int | None = None,
+    gate: PublishGate | None = None,
     env: Mapping[str, str] | None = None,
     stderr: TextIO | None = None,
 ) -> LearnReport:
-    """The whole ``learn`` command, callable from code (benchmarks, tests)."""
+    """The whole ``learn`` command, callable from code (benchmarks, tests). ``gate``: a publish
+    gate of your own instead of the one ``config.gate`` asks for."""
     stderr = stderr or sys.stderr
     started = anyio.current_time()
     learning = config.learning
@@ -279,7 +282,7 @@ async def run_learn(
     progress = Progress(sum(len(v) for v in by_key.values()), stderr)
     sink = FileSink(out, report, progress, history.playbooks, learning.max_attempts)
     try:
-        learner = Learner.from_config(config, client)
+        learner = Learner.from_config(config, client, gate=gate)
         settings = offline_settings(config)
         async with anyio.create_task_group() as tg:
             for key, items in by_key.items():

@@ -33,7 +33,7 @@ EMBEDDING_MODEL = "sim-embed"
 _RESPONSE_FORMATS = frozenset({"text", "json_object", "json_schema"})
 
 
-class BadRequest(Exception):
+class _BadRequest(Exception):
     """A request the simulator cannot understand: answered with an OpenAI-style 400."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
@@ -90,9 +90,9 @@ def _parse_object(body: bytes) -> dict[str, Any]:
     try:
         request = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
-        raise BadRequest(f"could not parse the JSON body: {exc}") from exc
+        raise _BadRequest(f"could not parse the JSON body: {exc}") from exc
     if not isinstance(request, dict):
-        raise BadRequest("the request body must be a JSON object")
+        raise _BadRequest("the request body must be a JSON object")
     return request
 
 
@@ -104,7 +104,7 @@ def _request_hash(path: str, request: dict[str, Any]) -> str:
 def _message_text(message: Any) -> tuple[str, str]:
     """(role, text) of one chat message; text parts of a multi-part content are joined."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise BadRequest("each message must be an object with a string 'role'", "messages")
+        raise _BadRequest("each message must be an object with a string 'role'", "messages")
     content = message.get("content")
     if content is None:
         return message["role"], ""
@@ -119,26 +119,26 @@ def _message_text(message: Any) -> tuple[str, str]:
             and isinstance(part.get("text"), str)
         ]
         return message["role"], "\n".join(texts)
-    raise BadRequest("message content must be a string or a list of parts", "messages")
+    raise _BadRequest("message content must be a string or a list of parts", "messages")
 
 
 def _check_chat_request(request: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
     model = request.get("model")
     if not isinstance(model, str) or not model:
-        raise BadRequest("'model' is required and must be a string", "model")
+        raise _BadRequest("'model' is required and must be a string", "model")
     messages = request.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty list", "messages")
+        raise _BadRequest("'messages' must be a non-empty list", "messages")
     if request.get("stream"):
-        raise BadRequest("the simulator does not support streaming", "stream")
+        raise _BadRequest("the simulator does not support streaming", "stream")
     if request.get("n", 1) != 1:
-        raise BadRequest("the simulator returns exactly one choice (n=1)", "n")
+        raise _BadRequest("the simulator returns exactly one choice (n=1)", "n")
     response_format = request.get("response_format")
     if response_format is not None and (
         not isinstance(response_format, dict)
         or response_format.get("type") not in _RESPONSE_FORMATS
     ):
-        raise BadRequest(
+        raise _BadRequest(
             "response_format.type must be one of text, json_object, json_schema", "response_format"
         )
     return model, [_message_text(message) for message in messages]
@@ -147,17 +147,17 @@ def _check_chat_request(request: dict[str, Any]) -> tuple[str, list[tuple[str, s
 def _check_embeddings_request(request: dict[str, Any]) -> tuple[str, list[str], int, bool]:
     model = request.get("model")
     if not isinstance(model, str) or not model:
-        raise BadRequest("'model' is required and must be a string", "model")
+        raise _BadRequest("'model' is required and must be a string", "model")
     raw = request.get("input")
     texts = [raw] if isinstance(raw, str) else raw
     if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-        raise BadRequest("'input' must be a string or a non-empty list of strings", "input")
+        raise _BadRequest("'input' must be a string or a non-empty list of strings", "input")
     dimensions = request.get("dimensions", DIMENSIONS)
     if not isinstance(dimensions, int) or not 1 <= dimensions <= 4096:
-        raise BadRequest("'dimensions' must be an integer in 1..4096", "dimensions")
+        raise _BadRequest("'dimensions' must be an integer in 1..4096", "dimensions")
     encoding = request.get("encoding_format", "float")
     if encoding not in ("float", "base64"):
-        raise BadRequest("'encoding_format' must be float or base64", "encoding_format")
+        raise _BadRequest("'encoding_format' must be float or base64", "encoding_format")
     return model, texts, dimensions, encoding == "base64"
 
 
@@ -208,7 +208,7 @@ class SimApp:
                     text = "unknown route" if status == 404 else "method not allowed"
                     message = f"{text}: {route[0]} {route[1]}"
                     await _send_json(send, status, _error(message, "invalid_request_error"))
-        except BadRequest as exc:
+        except _BadRequest as exc:
             self._stats.bad_requests += 1
             await _send_json(send, 400, _error(exc.message, "invalid_request_error", exc.param))
 
@@ -246,7 +246,7 @@ class SimApp:
         prompt = "\n".join(text for role, text in messages if role == "user")
         role = identify_role(prompt)
         if role is None:
-            raise BadRequest(
+            raise _BadRequest(
                 "the simulator cannot tell the role: no user message carries a <trace>, "
                 "<reflections>, <partial_updates>, <section_bullets>, <judged_answer> or "
                 "<question> block",
@@ -371,4 +371,4 @@ _KNOWN_PATHS = frozenset(
 )
 
 
-__all__ = ["CHAT_MODEL", "EMBEDDING_MODEL", "BadRequest", "SimApp"]
+__all__ = ["CHAT_MODEL", "EMBEDDING_MODEL", "SimApp"]
