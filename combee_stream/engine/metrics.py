@@ -123,7 +123,7 @@ class EngineMetrics:
         )
         self.broker_failures = Counter(
             "combee_broker_failures",
-            "Failed attempts to write to (publish, dlq, commit) or read from (restore) Kafka",
+            "Failed attempts to write (publish, dlq, commit, label) or read (restore) Kafka",
             ["op"],
             registry=r,
         )

@@ -249,6 +249,7 @@ class Releaser:
             try:
                 await self._job(key, state, update)
             except KafkaError as exc:
+                self._metrics.broker_failures.labels("label").inc()
                 log.warning("label move failed, retrying", key=key, error=str(exc))
                 await anyio.sleep(1.0)
                 self._offer((key, update))
