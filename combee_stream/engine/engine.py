@@ -223,8 +223,8 @@ class Engine:
         cfg = self.config.engine
         try:
             server = serve_asgi(self.metrics.asgi_app(), cfg.metrics_host, cfg.metrics_port)
-            async with server as url:
-                log.info("metrics endpoint", url=f"{url}/metrics")
+            async with server as http:
+                log.info("metrics endpoint", url=f"{http.root_url}/metrics")
                 await anyio.sleep_forever()
         except OSError as exc:
             raise UserError(
