@@ -683,3 +683,51 @@ async def test_an_open_breaker_with_no_caller_left_is_probed_closed() -> None:
             assert not llm.outage
     finally:
         await llm.aclose()
+
+
+# --------------------------------------------------------------------------- hardening, part 2
+# (issue 10 findings 3, 5, 7, 8: endpoint outages, start checks, dedup after a restore,
+# structure-forging text, the first errors a user meets)
+
+
+def cli_env(cfg: Config) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMBEE")}
+    env.pop("OPENAI_API_KEY", None)
+    env.pop("OPENAI_BASE_URL", None)
+    env.update(env_for(cfg))
+    return env
+
+
+def one_clear_line(done: subprocess.CompletedProcess[bytes], code: int, says: str) -> str:
+    stderr = done.stderr.decode()
+    ours = [line for line in stderr.splitlines() if line.startswith("combee-stream:")]
+    assert done.returncode == code and len(ours) == 1, stderr[-3000:]
+    assert says in ours[0], ours[0]
+    assert "Traceback" not in stderr and "Unclosed" not in stderr, stderr[-3000:]
+    return ours[0]
+
+
+@pytest.mark.anyio
+async def test_run_with_ingest_reports_a_start_check_failure_as_one_line(
+    config: Config, unique: str
+) -> None:
+    """Under ``run --ingest otel`` the engine runs in a task group with the ingest stage: its
+    start check's UserError must not arrive as an ExceptionGroup traceback."""
+    async with sim_server(SimSettings(api_key="s3cret")) as llm:
+        cfg = engine_config(config, unique, llm.base_url)
+        env = cli_env(cfg)
+        env["COMBEE__INGEST__SPANS_TOPIC"] = f"e.spans.{unique}"
+        env["COMBEE__INGEST__LOGS_TOPIC"] = f"e.logs.{unique}"
+        env["COMBEE__INGEST__STATE_TOPIC"] = f"e.ingest-state.{unique}"
+        env["COMBEE__INGEST__GROUP_ID"] = f"e.ingest.{unique}"
+        env.pop("COMBEE_TEST_KEY", None)
+        for role in ("REFLECTOR", "CURATOR", "COMBINER"):
+            env[f"COMBEE__LLM__{role}__API_KEY_ENV"] = "COMBEE_TEST_KEY"
+        with anyio.fail_after(120):
+            done = await anyio.run_process(
+                [sys.executable, "-m", "combee_stream", "run", "--ingest", "otel"],
+                env=env,
+                check=False,
+            )
+    line = one_clear_line(done, 2, "refused the API key (HTTP 401)")
+    assert "COMBEE_TEST_KEY (it is not set)" in line and "llm.reflector." in line
