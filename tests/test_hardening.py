@@ -731,3 +731,34 @@ async def test_run_with_ingest_reports_a_start_check_failure_as_one_line(
             )
     line = one_clear_line(done, 2, "refused the API key (HTTP 401)")
     assert "COMBEE_TEST_KEY (it is not set)" in line and "llm.reflector." in line
+
+
+def duplicates_of(engine: Engine) -> float:
+    return engine.metrics.registry.get_sample_value("combee_traces_duplicate_total") or 0.0
+
+
+@pytest.mark.anyio
+async def test_a_trace_resent_after_a_restart_is_learned_once(config: Config, unique: str) -> None:
+    """After a restart the key's chain starts with an empty horizon and reads its newest
+    version back only once its first trace is routed: a re-send of a trace of that version, at
+    an offset above the watermark, is still a duplicate."""
+    traces = [lesson_trace("ka", f"t{i}", f"l{i}", f"rule {i} for the agent") for i in range(6)]
+    later = lesson_trace("ka", "t6", "l6", "rule 6 for the agent")
+    async with sim_server(SimSettings(seed=1)) as llm:
+        cfg = engine_config(config, unique, llm.base_url, batch_size=3)
+        before = await learn_all(cfg, traces)
+        assert "t4" in max(before, key=lambda u: u.version).stats.trace_ids
+        engine = Engine(cfg)  # a restart: the same group, a new process state
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.run)
+            await engine.started.wait()
+            await produce(cfg, [traces[4], later])  # an agent re-sends t4, then a new trace
+            await wait_until_learned(cfg, {"ka": 7})
+            with anyio.fail_after(30):
+                while duplicates_of(engine) < 1:  # noqa: ASYNC110 - a counter the engine sets
+                    await anyio.sleep(0.1)
+            engine.stop()
+    result = audit(await read_updates(cfg))
+    assert result.problems == [] and max(result.learned.values()) == 1, result.learned
+    assert result.final["ka"].stats.traces_learned == 7
+    assert duplicates_of(engine) == 1
