@@ -762,3 +762,56 @@ async def test_a_trace_resent_after_a_restart_is_learned_once(config: Config, un
     assert result.problems == [] and max(result.learned.values()) == 1, result.learned
     assert result.final["ka"].stats.traces_learned == 7
     assert duplicates_of(engine) == 1
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("problem", ["revoked-key", "removed-model"])
+async def test_an_endpoint_that_refuses_every_call_is_an_outage_not_bad_traces(
+    config: Config, unique: str, problem: str
+) -> None:
+    """A key revoked at runtime (401) or a model removed (404 model_not_found) fails every
+    trace alike: an outage (intake paused, not ready, probed), not traces to dead-letter."""
+    import httpx2
+
+    traces = [lesson_trace("ka", f"t{i}", f"l{i}", f"rule {i} for the agent") for i in range(20)]
+    port, metrics_port = free_port(), free_port()
+    cfg = engine_config(config, unique, f"http://127.0.0.1:{port}/v1", batch_size=5)
+    roles = {
+        role: msgspec.structs.replace(getattr(cfg.llm, role), api_key_env="COMBEE_TEST_KEY")
+        for role in ("reflector", "curator", "combiner")
+    }
+    cfg = msgspec.structs.replace(
+        cfg,
+        engine=msgspec.structs.replace(cfg.engine, metrics_port=metrics_port),
+        llm=msgspec.structs.replace(cfg.llm, timeout_s=2.0, max_attempts=3, **roles),
+    )
+    good = SimSettings(seed=1, api_key="k1")
+    broken = (
+        SimSettings(seed=1, api_key="k2")  # the key the engine holds was revoked
+        if problem == "revoked-key"
+        else SimSettings(seed=1, api_key="k1", models=("another-model",))
+    )
+    engine = Engine(cfg, env={"COMBEE_TEST_KEY": "k1"})
+    async with anyio.create_task_group() as tg, httpx2.AsyncClient() as http:
+        async with sim_server(good, port=port):
+            tg.start_soon(engine.run)
+            await engine.started.wait()
+            await produce(cfg, traces[:10])
+            await wait_until_learned(cfg, {"ka": 10})
+        async with sim_server(broken, port=port):
+            await produce(cfg, traces[10:])
+            with anyio.fail_after(60):
+                while not engine._llm.outage:  # noqa: ASYNC110 - a flag the client sets
+                    await anyio.sleep(0.1)
+            ready = await http.get(f"http://127.0.0.1:{metrics_port}/readyz")
+            await anyio.sleep(5)  # well past a trace's attempts: it would be parked by now
+            assert engine._llm.outage, "a probe answered with the same refusal keeps it open"
+            assert await read_dlq_records(cfg) == [], "the refusal dead-letters nothing"
+        async with sim_server(good, port=port):  # fixed
+            updates = await wait_until_learned(cfg, {"ka": 20}, 120)
+            engine.stop()
+    assert ready.status_code == 503
+    result = audit(updates)
+    assert result.problems == [] and max(result.learned.values()) == 1
+    assert set(result.learned) == {t.trace_id for t in traces}
+    assert await read_dlq_records(cfg) == []
