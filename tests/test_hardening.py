@@ -815,3 +815,76 @@ async def test_an_endpoint_that_refuses_every_call_is_an_outage_not_bad_traces(
     assert result.problems == [] and max(result.learned.values()) == 1
     assert set(result.learned) == {t.trace_id for t in traces}
     assert await read_dlq_records(cfg) == []
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("problem", ["wrong-path", "no-endpoint"])
+async def test_run_refuses_llm_settings_that_cannot_work_in_one_line(
+    config: Config, unique: str, problem: str
+) -> None:
+    """A base_url without its /v1 (the host answers, 404) and no endpoint configured at all:
+    exit 2 and one line naming the setting, before anything is read."""
+    async with sim_server(SimSettings()) as llm:
+        cfg = engine_config(config, unique, llm.base_url)
+        env = cli_env(cfg)
+        for role in ("REFLECTOR", "CURATOR", "COMBINER"):
+            if problem == "wrong-path":
+                env[f"COMBEE__LLM__{role}__BASE_URL"] = llm.root_url
+            else:
+                env.pop(f"COMBEE__LLM__{role}__BASE_URL")
+        with anyio.fail_after(120):
+            done = await anyio.run_process(
+                [sys.executable, "-m", "combee_stream", "run"], env=env, check=False
+            )
+    says = {
+        "wrong-path": "answers HTTP 404 for /models and for /chat/completions",
+        "no-endpoint": "no LLM endpoint for llm.reflector: set llm.reflector.base_url",
+    }[problem]
+    line = one_clear_line(done, 2, says)
+    assert "llm.reflector." in line
+
+
+@pytest.mark.parametrize("command", ["run", "produce"])
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        ({"COMBEE__KAFKA__BOOTSTRAP_SERVERS": "127.0.0.1:1"}, "no Kafka broker answers at"),
+        (
+            {
+                "COMBEE__KAFKA__SECURITY_PROTOCOL": "SASL_PLAINTEXT",
+                "COMBEE__KAFKA__SASL_MECHANISM": "PLAIN",
+                "COMBEE_KAFKA_USERNAME": "user",
+                "COMBEE_KAFKA_PASSWORD": "wrong",
+            },
+            "is reachable but the Kafka handshake failed",
+        ),
+    ],
+    ids=["wrong-bootstrap", "sasl-mismatch"],
+)
+def test_run_and_produce_with_a_misconfigured_broker_connection_are_one_clear_line(
+    config: Config,
+    unique: str,
+    tmp_path: Path,
+    command: str,
+    overrides: dict[str, str],
+    says: str,
+) -> None:
+    from combee_stream.sim.server import sim_server_blocking
+
+    traces = tmp_path / "traces.jsonl"
+    traces.write_bytes(encode(lesson_trace("ka", "t1", "l1", "a rule")) + b"\n")
+    with sim_server_blocking(SimSettings()) as llm:
+        env = cli_env(engine_config(config, unique, llm.base_url))
+        env.update(overrides)
+        args = ["run"] if command == "run" else ["produce", str(traces)]
+        done = subprocess.run(
+            [sys.executable, "-m", "combee_stream", *args],
+            env=env,
+            capture_output=True,
+            timeout=120,
+            check=False,
+        )
+    line = one_clear_line(done, 2, says)  # type: ignore[arg-type]
+    assert "kafka.bootstrap_servers" in line
+    if "handshake" in says:
+        assert "kafka.security_protocol" in line and "kafka.sasl_mechanism" in line

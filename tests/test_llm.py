@@ -649,3 +649,16 @@ async def test_a_huge_call_timing_out_while_others_succeed_does_not_open_the_bre
     assert len(huge_failed) == 6 and all("timeout" in e.reason for e in huge_failed)
     assert small_done > 0
     assert all(b.opened_at == 0.0 for b in llm._breakers.values()), "the breaker never opened"
+
+
+async def test_the_start_check_refuses_a_base_url_at_the_wrong_path(clean_sim: SimServer) -> None:
+    """A reachable host at the wrong path (no /v1) answers 404 for /models: not taken for a
+    server without a model list, since the chat request answers 404 too."""
+    async with LLMClient(llm_config(clean_sim.root_url), env={}, retry=FAST) as llm:
+        with pytest.raises(UserError) as caught:
+            await llm.check("reflector")
+    message = str(caught.value)
+    assert "answers HTTP 404 for /models and for /chat/completions" in message
+    assert "check llm.reflector.base_url" in message and "\n" not in message
+    async with LLMClient(llm_config(clean_sim.base_url), env={}, retry=FAST) as llm:
+        await llm.check("reflector", "embeddings")  # the right path passes

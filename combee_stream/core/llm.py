@@ -444,7 +444,7 @@ class LLMClient:
             section = f"llm.{role}"
             endpoint = self._endpoint(rc, section)
             if endpoint not in listed:
-                listed[endpoint] = await self._served_models(endpoint, section, rc.api_key_env)
+                listed[endpoint] = await self._served_models(endpoint, section, rc)
             served = listed[endpoint]
             if served is not None and rc.model not in served:
                 raise UserError(
@@ -453,28 +453,85 @@ class LLMClient:
                 )
 
     async def _served_models(
-        self, endpoint: _Endpoint, section: str, key_env: str
+        self, endpoint: _Endpoint, section: str, rc: RoleConfig | EmbeddingsConfig
     ) -> set[str] | None:
-        """The model ids the endpoint lists; None when it does not list models."""
+        """The model ids the endpoint lists; None when it does not list models but answers a
+        request of the role's kind (some servers have no /models; llama.cpp's older builds,
+        say). A host that answers neither (a base_url without its /v1: 404; a web page) is a
+        UserError naming the setting, not a failure of every trace later."""
         client = self._client(endpoint)
         try:
             with anyio.fail_after(min(30.0, self._config.timeout_s)):
-                page = await client.models.list()
+                raw = await client.models.with_raw_response.list()
         except (TimeoutError, openai.APIConnectionError) as exc:
-            raise UserError(
-                f"cannot reach the LLM endpoint at {endpoint.base_url} ({type(exc).__name__}): "
-                f"check {section}.base_url"
-            ) from None
+            raise self._unreachable(endpoint, section, exc) from None
         except (openai.AuthenticationError, openai.PermissionDeniedError) as exc:
-            unset = "" if self._env.get(key_env) else " (it is not set)"
-            raise UserError(
-                f"the LLM endpoint at {endpoint.base_url} refused the API key (HTTP "
-                f"{exc.status_code}): check the variable {key_env}{unset}, named by "
-                f"{section}.api_key_env"
-            ) from None
+            raise self._refused(endpoint, section, rc, exc.status_code) from None
         except openai.APIStatusError:
-            return None  # no model listing here (some servers do not have one)
-        return {model.id for model in page.data}
+            pass  # no model listing here: the request below tells whether the API is
+        else:
+            served = _model_ids(raw.http_response)
+            if served is not None:
+                return served
+        await self._check_answers(client, endpoint, section, rc)
+        return None
+
+    async def _check_answers(
+        self,
+        client: openai.AsyncOpenAI,
+        endpoint: _Endpoint,
+        section: str,
+        rc: RoleConfig | EmbeddingsConfig,
+    ) -> None:
+        """A 1-token request of the role's own kind answers as an OpenAI-compatible API."""
+        embeddings = isinstance(rc, EmbeddingsConfig)
+        path = "/embeddings" if embeddings else "/chat/completions"
+        try:
+            with anyio.fail_after(min(30.0, self._config.timeout_s)):
+                if embeddings:
+                    raw: Any = await client.embeddings.with_raw_response.create(
+                        model=rc.model, input=[PROBE_TEXT]
+                    )
+                else:
+                    raw = await client.chat.completions.with_raw_response.create(
+                        model=rc.model,
+                        messages=[{"role": "user", "content": PROBE_TEXT}],
+                        max_tokens=1,
+                    )
+        except (TimeoutError, openai.APIConnectionError) as exc:
+            raise self._unreachable(endpoint, section, exc) from None
+        except (openai.AuthenticationError, openai.PermissionDeniedError) as exc:
+            raise self._refused(endpoint, section, rc, exc.status_code) from None
+        except openai.APIStatusError as exc:
+            if exc.status_code == 404:
+                raise UserError(
+                    f"the LLM endpoint at {endpoint.base_url} answers HTTP 404 for /models and "
+                    f"for {path} (model {rc.model!r}): check {section}.base_url (an "
+                    f"OpenAI-compatible API's usually ends in /v1) and {section}.model"
+                ) from None
+            return  # an answer about the request (a 400 for max_tokens=1, say): the API is there
+        if _json_body(raw.http_response) is None:
+            raise UserError(
+                f"the LLM endpoint at {endpoint.base_url} does not answer as an "
+                f"OpenAI-compatible API (no JSON from /models or {path}): check {section}.base_url"
+            )
+
+    @staticmethod
+    def _unreachable(endpoint: _Endpoint, section: str, exc: BaseException) -> UserError:
+        return UserError(
+            f"cannot reach the LLM endpoint at {endpoint.base_url} ({type(exc).__name__}): "
+            f"check {section}.base_url"
+        )
+
+    def _refused(
+        self, endpoint: _Endpoint, section: str, rc: RoleConfig | EmbeddingsConfig, status: int
+    ) -> UserError:
+        key_env = rc.api_key_env
+        unset = "" if self._env.get(key_env) else " (it is not set)"
+        return UserError(
+            f"the LLM endpoint at {endpoint.base_url} refused the API key (HTTP {status}): "
+            f"check the variable {key_env}{unset}, named by {section}.api_key_env"
+        )
 
     def _role_config(self, role: Role) -> RoleConfig:
         if role not in ROLES:
@@ -880,6 +937,23 @@ def _with_instruction(messages: list[ChatMessage], instruction: str) -> list[Cha
             return out
     out.append({"role": "user", "content": instruction.lstrip()})
     return out
+
+
+def _json_body(response: httpx2.Response) -> object | None:
+    try:
+        body: object = response.json()
+    except ValueError:
+        return None
+    return body
+
+
+def _model_ids(response: httpx2.Response) -> set[str] | None:
+    """The ids of an OpenAI model list; None when the answer is not one (a web page)."""
+    body = _json_body(response)
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        return None
+    return {m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)}
 
 
 def _short(text: str, limit: int = 300) -> str:
