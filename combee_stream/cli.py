@@ -64,10 +64,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.log_level or config.log.level, config.log.format)
     handler = args.handler
     try:
-        if inspect.iscoroutinefunction(handler):
-            result = anyio.run(handler, args, config)
-        else:
-            result = handler(args, config)
+        try:
+            if inspect.iscoroutinefunction(handler):
+                result = anyio.run(handler, args, config)
+            else:
+                result = handler(args, config)
+        except BaseExceptionGroup as group:
+            leaf = _one_error(group)
+            if leaf is None:
+                raise  # a bug among them: its traceback is what a report needs
+            raise leaf from None
     except KeyboardInterrupt:
         return 130
     except (ConfigError, UserError) as exc:
@@ -80,6 +86,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"combee-stream: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     return int(result or 0)
+
+
+def _one_error(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """What a task group's error means to the user when every error in it is ours (a UserError
+    from the engine's start checks under ``run --ingest otel``, say): the most actionable one,
+    shown as one line like any other. None when anything else is in it."""
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        error = pending.pop(0)
+        if isinstance(error, BaseExceptionGroup):
+            pending.extend(error.exceptions)
+        else:
+            leaves.append(error)
+    if not all(isinstance(e, CombeeError | KeyboardInterrupt) for e in leaves):
+        return None
+    for kind in (KeyboardInterrupt, UserError, EngineHalted):
+        for error in leaves:
+            if isinstance(error, kind):
+                return error
+    return leaves[0] if leaves else None
 
 
 __all__ = ["build_parser", "main"]

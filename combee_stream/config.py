@@ -145,7 +145,8 @@ class LLMConfig(_Section):
     tokens_per_minute: Annotated[int, Meta(ge=0)] = 0
     timeout_s: PositiveFloat = 60.0
     max_attempts: Positive = 4  # per call, covering transport errors and invalid replies
-    # Consecutive outage failures (no answer, HTTP 5xx) that open the circuit breaker: calls
+    # Consecutive outage failures that open the circuit breaker (no answer, or one every call
+    # gets alike: 5xx, 401/403, 404, 429 insufficient_quota; see core.llm.status_kind): calls
     # then wait for the endpoint (their attempts unspent) instead of failing their traces.
     breaker_threshold: Positive = 5
     memo_path: str = ""  # completion memo file; empty = in memory only
@@ -214,7 +215,9 @@ class EngineConfig(_Section):
     # counted under key="(other)", so /metrics stays bounded in the number of keys.
     key_metric_series: Annotated[int, Meta(ge=0)] = 100
     # Per key, a trace id seen among the last this many (or in the restored version) is
-    # skipped as a duplicate: producers retry, agents re-send.
+    # skipped as a duplicate: producers retry, agents re-send. Memory: about (115 + id length)
+    # bytes per id per active (not evicted) key: 10,000 UUIDs ~ 1.5 MB a key, 1,000 active
+    # keys ~ 1.5 GB; lower it (or engine.key_idle_s) for many keys.
     dedup_horizon: Positive = 10_000
     # While Kafka cannot be written (publish, DLQ) or read (restore), the engine retries with
     # capped backoff and reports not ready; after this many seconds of continuous failure it

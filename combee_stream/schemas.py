@@ -22,10 +22,30 @@ SCHEMA_VERSION: Final = 1
 # so it must be printable and short.
 Key = Annotated[str, Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:/@-]+$")]
 NonEmpty = Annotated[str, Meta(min_length=1)]
-# Ids travel into prompts, logs and headers: printable, no control characters (no newline).
-TraceId = Annotated[str, Meta(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")]
+# Ids travel into prompts, logs and headers: printable in the str.isprintable() sense (no
+# control, format (bidi, zero-width), line or paragraph separator characters, no space but
+# U+0020) and no space at either end (two ids that look the same in a log are one id). The
+# pattern is the part of that a JSON Schema can say; check_id() applies all of it at decode.
+TraceId = Annotated[
+    str, Meta(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f-\x9f\u2028\u2029]+$")
+]
 NonNegative = Annotated[int, Meta(ge=0)]
 BulletTagKind = Literal["helpful", "harmful", "neutral"]
+
+
+def check_id(value: str, field: str = "trace_id") -> None:
+    """Raise ValueError unless ``value`` is a valid id (see ``TraceId``)."""
+    if not value.isprintable() or value != value.strip(" "):
+        raise ValueError(
+            f"{field} must be printable (no control, format, line-separator or non-ASCII space "
+            f"characters) with no space at either end: {ascii(value)[:80]}"
+        )
+
+
+def is_blank(text: str) -> bool:
+    """Whether ``text`` has no visible character (only whitespace, control or format
+    characters such as NUL, U+00A0, U+3000 or zero-width spaces)."""
+    return not any(c.isprintable() and not c.isspace() for c in text)
 
 
 class _Record(Struct, forbid_unknown_fields=True, omit_defaults=False):
@@ -81,8 +101,9 @@ class Trace(_Record):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.task.strip(" \t\r\n\x00\x0b\x0c"):
-            raise ValueError("task is blank (only whitespace or NUL characters)")
+        check_id(self.trace_id)
+        if is_blank(self.task):
+            raise ValueError("task is blank (no visible character)")
 
 
 class FeedbackRecord(_Record):
@@ -94,6 +115,10 @@ class FeedbackRecord(_Record):
     trace_id: TraceId
     feedback: Feedback
     schema: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_id(self.trace_id)
 
 
 # --------------------------------------------------------------------------- learning

@@ -36,7 +36,7 @@ from combee_stream.errors import UserError
 from combee_stream.retry import RetryPolicy
 from combee_stream.schemas import AddOp
 from combee_stream.sim.server import SimServer, sim_server
-from combee_stream.sim.settings import FaultModel, SimSettings
+from combee_stream.sim.settings import FaultModel, LatencyModel, SimSettings
 
 pytestmark = pytest.mark.anyio
 
@@ -557,3 +557,108 @@ def _walk(node: Any) -> list[dict[str, Any]]:
         for value in node:
             found.extend(_walk(value))
     return found
+
+
+# --------------------------------------------------------------------------- outages (issue 10)
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "kind"),
+    [
+        (401, None, "outage"),  # the key was revoked
+        (403, None, "outage"),
+        (404, "model_not_found", "outage"),
+        (429, "insufficient_quota", "outage"),
+        (429, "rate_limit_exceeded", "retry"),
+        (500, None, "outage"),
+        (503, None, "outage"),
+        (408, None, "retry"),
+        (400, "context_length_exceeded", "fail"),  # the request itself: this trace only
+        (422, None, "fail"),
+    ],
+)
+def test_which_http_errors_are_an_outage(status: int, code: str | None, kind: str) -> None:
+    from combee_stream.core.llm import status_kind
+
+    assert status_kind(status, code) == kind
+
+
+async def test_a_removed_model_waits_in_the_breaker_and_resumes_when_it_is_back() -> None:
+    """404 model_not_found fails every call alike: the call waits (its attempts unspent, while
+    the probe, a 1-token request for the same model, keeps failing) and completes once the
+    model is served again. The model list, which still answers, does not close the breaker."""
+    settings = SimSettings(models=("another-model",))
+    async with sim_server(settings) as srv:
+        cfg = llm_config(srv.base_url, max_attempts=2, breaker_threshold=1)
+        async with LLMClient(cfg, env={}, retry=FAST) as llm:
+            async with anyio.create_task_group() as tg:
+                done: list[Completion[ReflectorOutput]] = []
+
+                async def call() -> None:
+                    done.append(
+                        await llm.complete("reflector", reflector_messages(1), ReflectorOutput)
+                    )
+
+                tg.start_soon(call)
+                with anyio.fail_after(30):
+                    while not llm.outage:  # noqa: ASYNC110 - a flag the client sets
+                        await anyio.sleep(0.01)
+                await anyio.sleep(2.5)  # probes at 1 s backoff: several fail meanwhile
+                assert llm.outage and not done
+                srv.app.settings = SimSettings()  # the model is served again
+    assert len(done) == 1 and not llm.outage
+
+
+async def test_a_huge_call_timing_out_while_others_succeed_does_not_open_the_breaker() -> None:
+    """A call that times out while other calls of the endpoint are answered is that trace's
+    problem (a huge prompt): it spends its attempts and fails; the breaker stays closed, so
+    the other keys' calls (and the engine's intake) are not paused for it."""
+    latency = LatencyModel(per_input_token_s=1e-4)  # 50k tokens: 5 s; a small call: ~10 ms
+    async with sim_server(SimSettings(latency=latency)) as srv:
+        cfg = llm_config(srv.base_url, timeout_s=1.0, max_attempts=2, breaker_threshold=2)
+        async with LLMClient(cfg, env={}, retry=FAST) as llm:
+            huge_failed: list[LLMCallError] = []
+            small_done = 0
+            stop = anyio.Event()
+
+            async def huge(n: int) -> None:
+                messages = reflector_messages(1000 + n)
+                messages[-1]["content"] += "\n" + "padding " * 25_000
+                try:
+                    await llm.complete("reflector", messages, ReflectorOutput)
+                except LLMCallError as exc:
+                    huge_failed.append(exc)
+
+            async def small(worker: int) -> None:
+                nonlocal small_done
+                n = 0
+                while not stop.is_set():
+                    n += 1
+                    await llm.complete(
+                        "reflector", reflector_messages(worker * 10_000 + n), ReflectorOutput
+                    )
+                    small_done += 1
+
+            async with anyio.create_task_group() as tg:
+                for worker in range(3):
+                    tg.start_soon(small, worker)
+                async with anyio.create_task_group() as huge_tg:
+                    for n in range(6):
+                        huge_tg.start_soon(huge, n)
+                stop.set()
+    assert len(huge_failed) == 6 and all("timeout" in e.reason for e in huge_failed)
+    assert small_done > 0
+    assert all(b.opened_at == 0.0 for b in llm._breakers.values()), "the breaker never opened"
+
+
+async def test_the_start_check_refuses_a_base_url_at_the_wrong_path(clean_sim: SimServer) -> None:
+    """A reachable host at the wrong path (no /v1) answers 404 for /models: not taken for a
+    server without a model list, since the chat request answers 404 too."""
+    async with LLMClient(llm_config(clean_sim.root_url), env={}, retry=FAST) as llm:
+        with pytest.raises(UserError) as caught:
+            await llm.check("reflector")
+    message = str(caught.value)
+    assert "answers HTTP 404 for /models and for /chat/completions" in message
+    assert "check llm.reflector.base_url" in message and "\n" not in message
+    async with LLMClient(llm_config(clean_sim.base_url), env={}, retry=FAST) as llm:
+        await llm.check("reflector", "embeddings")  # the right path passes

@@ -4,13 +4,14 @@
 and endpoint, asks for JSON matching ``msgspec.json.schema(OutputType)`` (per role ``mode``),
 validates the reply with msgspec and re-asks the model with its own bad reply and the error when
 it does not validate. Transport failures (429, 5xx, timeouts, connection errors) are retried
-with exponential backoff and full jitter; all attempts share one ``max_attempts`` budget.
+with exponential backoff and full jitter; all attempts share one ``max_attempts`` budget. A
+failure every call would meet alike is an outage (see ``status_kind``): the endpoint's circuit
+breaker (``core.breaker``) makes callers wait for it instead of failing.
 Every finished call is stored in a ``CompletionMemo``, so the same request is never paid twice.
 """
 
 from __future__ import annotations
 
-import contextlib
 import email.utils
 import json
 import os
@@ -47,8 +48,39 @@ ChatMessage = dict[str, str]  # {"role": "system" | "user" | "assistant", "conte
 OPENAI_DEFAULT_BASE_URL: Final = "https://api.openai.com/v1"
 # Local servers (llama.cpp, vLLM, Ollama) accept any key, but the openai client wants one.
 PLACEHOLDER_API_KEY: Final = "not-needed"
-RETRYABLE_STATUS: Final = frozenset({429, 500, 502, 503, 504})
 EMBED_BATCH: Final = 128
+PROBE_TEXT: Final = "ping"  # the breaker's probe: a 1-token request for the same model
+
+StatusKind = Literal["outage", "retry", "fail"]
+
+
+def status_kind(status: int, code: str | None) -> StatusKind:
+    """What an HTTP error answer means for a call (OpenAI's statuses and error codes, which
+    compatible servers follow):
+
+    ======================  ======================================  =========================
+    status (code)           means                                   kind
+    ======================  ======================================  =========================
+    401, 403                the key was revoked or is not allowed   outage
+    404                     the model was removed, or a wrong path  outage
+    429 insufficient_quota  the quota or the billing is exhausted   outage
+    429 (other codes)       a rate limit (Retry-After is honoured)  retry
+    408, 409                a timeout or a conflict on the server   retry
+    5xx                     the server is failing                   outage
+    other 4xx               the request itself (400 context too     fail (this call only)
+                            long, 413, 422)
+    ======================  ======================================  =========================
+
+    An outage fails every trace alike: the breaker opens, callers wait (their attempts
+    unspent), the engine pauses intake and probes until it is fixed. Failing this call only
+    parks the trace (after its attempts) while the others go on."""
+    if status in (401, 403, 404) or status >= 500:
+        return "outage"
+    if status == 429:
+        return "outage" if code == "insufficient_quota" else "retry"
+    if status in (408, 409):
+        return "retry"
+    return "fail"
 
 
 # --------------------------------------------------------------------------- public types
@@ -117,7 +149,8 @@ class _Endpoint(msgspec.Struct, frozen=True):
 
 class _Transient(Exception):
     """A failure worth retrying; ``retry_after`` is the server's hint in seconds, if any;
-    ``outage``: the endpoint did not answer, or answered 5xx (the circuit breaker counts it)."""
+    ``outage``: the endpoint did not answer, or answered what every call would get (see
+    ``status_kind``): the circuit breaker counts it."""
 
     def __init__(self, reason: str, retry_after: float | None = None, outage: bool = False):
         super().__init__(reason)
@@ -317,7 +350,10 @@ class LLMClient:
         self._retry = retry or RetryPolicy()
         self._rng = rng or random.Random()
         self._limiter = anyio.CapacityLimiter(config.concurrency)
-        self._breakers: dict[object, Breaker] = {}  # one per endpoint client
+        # One per endpoint client and model (a removed model is an outage of its calls only),
+        # with the probe that finds it back.
+        self._breakers: dict[tuple[object, str], Breaker] = {}
+        self._probes: dict[Breaker, Callable[[], Awaitable[object]]] = {}
         self._rate = _RateLimiter(config.requests_per_minute, config.tokens_per_minute)
         self._clients: dict[_Endpoint, openai.AsyncOpenAI] = {}
         self._usage: dict[str, RoleUsage] = {role: RoleUsage() for role in ROLES}
@@ -326,10 +362,27 @@ class LLMClient:
 
     # ---------------------------------------------------------------- endpoints
 
-    def _breaker(self, client: object) -> Breaker:
-        breaker = self._breakers.get(client)
+    def _breaker(self, client: openai.AsyncOpenAI, model: str, embeddings: bool = False) -> Breaker:
+        breaker = self._breakers.get((client, model))
         if breaker is None:
-            breaker = self._breakers[client] = Breaker(self._config.breaker_threshold)
+            breaker = self._breakers[client, model] = Breaker(self._config.breaker_threshold)
+            timeout = self._config.timeout_s
+
+            # A tiny request for the same model with the same key: what every call needs. (The
+            # model list would not do: it answers while a removed model's calls all fail.)
+            async def probe() -> object:
+                if embeddings:
+                    return await client.embeddings.create(
+                        model=model, input=[PROBE_TEXT], timeout=timeout
+                    )
+                return await client.chat.completions.create(
+                    model=model,
+                    messages=[{"role": "user", "content": PROBE_TEXT}],
+                    max_tokens=1,
+                    timeout=timeout,
+                )
+
+            self._probes[breaker] = probe
         return breaker
 
     @property
@@ -338,17 +391,33 @@ class LLMClient:
         return any(b.open for b in self._breakers.values())
 
     async def probe(self) -> None:
-        """One request (the model list) to each endpoint whose breaker is open, through the
-        breaker (waiting for its next probe slot): any HTTP answer closes it. Callers waiting in
-        the breaker probe it themselves; this is for when none is left. The engine calls it while
-        intake is paused for an outage: once the calls that saw the endpoint down are gone
-        (cancelled with a revoked partition, or all timed out at once in a process frozen and
-        thawed), nothing else would ever find out that it is back."""
-        for client in list(self._clients.values()):
-            breaker = self._breakers.get(client)
-            if breaker is not None and breaker.open:
-                with contextlib.suppress(_Transient, _Fatal):
-                    await self._send(client.models.list, 0, breaker)
+        """Probe each endpoint whose breaker is open, at its next probe slot: an answer that is
+        not an outage failure closes it. Callers waiting in the breaker probe it themselves;
+        this is for when none is left. The engine calls it while intake is paused for an
+        outage: once the calls that saw the endpoint down are gone (cancelled with a revoked
+        partition, or all timed out at once in a process frozen and thawed), nothing else would
+        ever find out that it is back."""
+        for breaker in list(self._breakers.values()):
+            if breaker.open and await breaker.admit():
+                await self._probe(breaker)
+
+    async def _probe(self, breaker: Breaker) -> None:
+        """Send the breaker's probe (this caller holds its probe slot) and report the outcome.
+        A probe, not the caller's own request: a huge request that times out would keep the
+        breaker open however healthy the endpoint is."""
+        started = anyio.current_time()
+        try:
+            await self._send_once(self._probes[breaker], 1)
+        except _Transient as exc:
+            if exc.outage:
+                breaker.failed(exc.reason, since=started)
+                return
+        except _Fatal:
+            pass  # an answer: the endpoint is up (a server may refuse max_tokens=1, say)
+        except BaseException:
+            breaker.abandoned()
+            raise
+        breaker.answered()
 
     @property
     def memo(self) -> CompletionMemo:
@@ -375,7 +444,7 @@ class LLMClient:
             section = f"llm.{role}"
             endpoint = self._endpoint(rc, section)
             if endpoint not in listed:
-                listed[endpoint] = await self._served_models(endpoint, section, rc.api_key_env)
+                listed[endpoint] = await self._served_models(endpoint, section, rc)
             served = listed[endpoint]
             if served is not None and rc.model not in served:
                 raise UserError(
@@ -384,28 +453,85 @@ class LLMClient:
                 )
 
     async def _served_models(
-        self, endpoint: _Endpoint, section: str, key_env: str
+        self, endpoint: _Endpoint, section: str, rc: RoleConfig | EmbeddingsConfig
     ) -> set[str] | None:
-        """The model ids the endpoint lists; None when it does not list models."""
+        """The model ids the endpoint lists; None when it does not list models but answers a
+        request of the role's kind (some servers have no /models; llama.cpp's older builds,
+        say). A host that answers neither (a base_url without its /v1: 404; a web page) is a
+        UserError naming the setting, not a failure of every trace later."""
         client = self._client(endpoint)
         try:
             with anyio.fail_after(min(30.0, self._config.timeout_s)):
-                page = await client.models.list()
+                raw = await client.models.with_raw_response.list()
         except (TimeoutError, openai.APIConnectionError) as exc:
-            raise UserError(
-                f"cannot reach the LLM endpoint at {endpoint.base_url} ({type(exc).__name__}): "
-                f"check {section}.base_url"
-            ) from None
+            raise self._unreachable(endpoint, section, exc) from None
         except (openai.AuthenticationError, openai.PermissionDeniedError) as exc:
-            unset = "" if self._env.get(key_env) else " (it is not set)"
-            raise UserError(
-                f"the LLM endpoint at {endpoint.base_url} refused the API key (HTTP "
-                f"{exc.status_code}): check the variable {key_env}{unset}, named by "
-                f"{section}.api_key_env"
-            ) from None
+            raise self._refused(endpoint, section, rc, exc.status_code) from None
         except openai.APIStatusError:
-            return None  # no model listing here (some servers do not have one)
-        return {model.id for model in page.data}
+            pass  # no model listing here: the request below tells whether the API is
+        else:
+            served = _model_ids(raw.http_response)
+            if served is not None:
+                return served
+        await self._check_answers(client, endpoint, section, rc)
+        return None
+
+    async def _check_answers(
+        self,
+        client: openai.AsyncOpenAI,
+        endpoint: _Endpoint,
+        section: str,
+        rc: RoleConfig | EmbeddingsConfig,
+    ) -> None:
+        """A 1-token request of the role's own kind answers as an OpenAI-compatible API."""
+        embeddings = isinstance(rc, EmbeddingsConfig)
+        path = "/embeddings" if embeddings else "/chat/completions"
+        try:
+            with anyio.fail_after(min(30.0, self._config.timeout_s)):
+                if embeddings:
+                    raw: Any = await client.embeddings.with_raw_response.create(
+                        model=rc.model, input=[PROBE_TEXT]
+                    )
+                else:
+                    raw = await client.chat.completions.with_raw_response.create(
+                        model=rc.model,
+                        messages=[{"role": "user", "content": PROBE_TEXT}],
+                        max_tokens=1,
+                    )
+        except (TimeoutError, openai.APIConnectionError) as exc:
+            raise self._unreachable(endpoint, section, exc) from None
+        except (openai.AuthenticationError, openai.PermissionDeniedError) as exc:
+            raise self._refused(endpoint, section, rc, exc.status_code) from None
+        except openai.APIStatusError as exc:
+            if exc.status_code == 404:
+                raise UserError(
+                    f"the LLM endpoint at {endpoint.base_url} answers HTTP 404 for /models and "
+                    f"for {path} (model {rc.model!r}): check {section}.base_url (an "
+                    f"OpenAI-compatible API's usually ends in /v1) and {section}.model"
+                ) from None
+            return  # an answer about the request (a 400 for max_tokens=1, say): the API is there
+        if _json_body(raw.http_response) is None:
+            raise UserError(
+                f"the LLM endpoint at {endpoint.base_url} does not answer as an "
+                f"OpenAI-compatible API (no JSON from /models or {path}): check {section}.base_url"
+            )
+
+    @staticmethod
+    def _unreachable(endpoint: _Endpoint, section: str, exc: BaseException) -> UserError:
+        return UserError(
+            f"cannot reach the LLM endpoint at {endpoint.base_url} ({type(exc).__name__}): "
+            f"check {section}.base_url"
+        )
+
+    def _refused(
+        self, endpoint: _Endpoint, section: str, rc: RoleConfig | EmbeddingsConfig, status: int
+    ) -> UserError:
+        key_env = rc.api_key_env
+        unset = "" if self._env.get(key_env) else " (it is not set)"
+        return UserError(
+            f"the LLM endpoint at {endpoint.base_url} refused the API key (HTTP {status}): "
+            f"check the variable {key_env}{unset}, named by {section}.api_key_env"
+        )
 
     def _role_config(self, role: Role) -> RoleConfig:
         if role not in ROLES:
@@ -541,7 +667,7 @@ class LLMClient:
                 )
             except _Transient as exc:
                 reason = exc.reason
-                if exc.outage and self._breaker(client).open:
+                if exc.outage and self._breaker(client, rc.model).open:
                     attempt -= 1  # an outage spends no attempt: the call waits it out
                 elif attempt < self._config.max_attempts:
                     await self._backoff(role, attempt, exc)
@@ -595,7 +721,7 @@ class LLMClient:
                 timeout=self._config.timeout_s,
             )
 
-        response = await self._send(send, estimate, self._breaker(client))
+        response = await self._send(send, estimate, self._breaker(client, rc.model))
         usage = getattr(response, "usage", None)
         choices = getattr(response, "choices", None) or []
         message = getattr(choices[0], "message", None) if choices else None
@@ -612,12 +738,14 @@ class LLMClient:
     async def _send(self, send: Callable[[], Awaitable[R]], estimate: int, breaker: Breaker) -> R:
         """Run one request under the endpoint's circuit breaker, the concurrency and rate
         limits; classify its failure."""
-        await breaker.admit()  # waits while the endpoint is down (not holding a slot)
+        while await breaker.admit():  # waits while the endpoint is down (not holding a slot)
+            await self._probe(breaker)  # this caller's turn to probe it
+        started = anyio.current_time()
         try:
             result = await self._send_once(send, estimate)
         except _Transient as exc:
             if exc.outage:
-                breaker.failed()
+                breaker.failed(exc.reason, since=started)
             else:
                 breaker.answered()
             raise
@@ -648,12 +776,13 @@ class LLMClient:
                 self._rate.settle(estimate, 0)
                 status = exc.status_code
                 detail = f"HTTP {status}: {_short(exc.message)}"
-                if status in RETRYABLE_STATUS:
-                    retry_after = _retry_after(exc.response)
-                    if retry_after is not None:
-                        self._rate.block_until(anyio.current_time() + retry_after)
-                    raise _Transient(detail, retry_after, outage=status >= 500) from None
-                raise _Fatal(detail) from None
+                kind = status_kind(status, exc.code)
+                if kind == "fail":
+                    raise _Fatal(detail) from None
+                retry_after = _retry_after(exc.response)
+                if retry_after is not None:
+                    self._rate.block_until(anyio.current_time() + retry_after)
+                raise _Transient(detail, retry_after, outage=kind == "outage") from None
             except openai.APIError as exc:
                 # e.g. a 200 whose body is not JSON: the server misbehaved, try again.
                 raise _Transient(f"bad response: {_short(str(exc))}") from None
@@ -721,6 +850,7 @@ class LLMClient:
             )
 
         usage.calls += 1
+        breaker = self._breaker(client, ec.model, embeddings=True)
         reason = ""
         attempt = 0
         while attempt < self._config.max_attempts:
@@ -728,10 +858,10 @@ class LLMClient:
             if attempt > 1:
                 usage.retries += 1
             try:
-                response = await self._send(send, estimate, self._breaker(client))
+                response = await self._send(send, estimate, breaker)
             except _Transient as exc:
                 reason = exc.reason
-                if exc.outage and self._breaker(client).open:
+                if exc.outage and breaker.open:
                     attempt -= 1  # an outage spends no attempt: the call waits it out
                 elif attempt < self._config.max_attempts:
                     await self._backoff(EMBEDDINGS, attempt, exc)
@@ -807,6 +937,23 @@ def _with_instruction(messages: list[ChatMessage], instruction: str) -> list[Cha
             return out
     out.append({"role": "user", "content": instruction.lstrip()})
     return out
+
+
+def _json_body(response: httpx2.Response) -> object | None:
+    try:
+        body: object = response.json()
+    except ValueError:
+        return None
+    return body
+
+
+def _model_ids(response: httpx2.Response) -> set[str] | None:
+    """The ids of an OpenAI model list; None when the answer is not one (a web page)."""
+    body = _json_body(response)
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        return None
+    return {m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)}
 
 
 def _short(text: str, limit: int = 300) -> str:

@@ -152,11 +152,18 @@ class KeyPipeline:
         settings: PipelineSettings,
         *,
         loader: Callable[[], Awaitable[PromptUpdate | None]] | None = None,
+        duplicate: Callable[[Pending], None] | None = None,
     ) -> None:
         self.chain = chain
         # Reads the key's newest version back (the engine keeps only where it is); run() waits
         # for it before the first reflection, so nothing is learned on an empty playbook.
         self._loader = loader
+        # The driver skips a trace id its chain has seen; the traces it handed over while the
+        # version was being read were checked without that version's ids: run() checks those
+        # again once it is read and hands a re-sent one back here (learned already).
+        self._duplicate = duplicate
+        self._unchecked = 0
+        self._restored_ids: frozenset[str] = frozenset()
         self._window_open = False
         self._windows_in_flight = 0
         self.last_active = anyio.current_time()
@@ -183,6 +190,11 @@ class KeyPipeline:
                     restored = await self._loader()
                     if restored is not None:
                         self.chain.restore(restored)
+                        # No await since the read: exactly these were routed before it.
+                        self._unchecked = self._inbox.statistics().current_buffer_used
+                        # What KeyChain.restore remembers of the version.
+                        stats = restored.stats
+                        self._restored_ids = frozenset((*stats.trace_ids, *stats.held_out))
                 async with anyio.create_task_group() as tg:
                     await self._assemble(tg)
             finally:
@@ -226,6 +238,13 @@ class KeyPipeline:
                     item = await self._inbox.receive()
                 except anyio.EndOfStream:
                     closing = True
+            if item is not None and self._unchecked:
+                self._unchecked -= 1
+                if item.trace.trace_id in self._restored_ids and self._duplicate is not None:
+                    self._duplicate(item)
+                    item = None
+                if not self._unchecked:
+                    self._restored_ids = frozenset()
             if item is not None:
                 self.last_active = anyio.current_time()
                 if window is None:

@@ -202,7 +202,8 @@ def render_reflections(records: Sequence[ReflectionRecord]) -> str:
 def render_partial_updates(partials: Sequence[Delta]) -> str:
     blocks = []
     for i, delta in enumerate(partials, 1):
-        ops = [encode(op).decode() for op in delta.operations]
+        # JSON escapes \n but not U+2028 nor a block tag: the ops carry untrusted text.
+        ops = [fence(encode(op).decode()) for op in delta.operations]
         blocks.append("\n".join([f"[Update {i}]", *ops]))
     return "\n".join(blocks)
 

@@ -34,6 +34,9 @@ async def _run(args: argparse.Namespace, config: Config) -> int:
     async with anyio.create_task_group() as tg:
 
         async def ingest() -> None:
+            # Once the engine passed its start checks (LLM endpoints, topics): a setting to fix
+            # then stops the process before the stage has touched Kafka, not in its midst.
+            await engine.started.wait()
             await stage.run()
             engine.stop()  # the stage halted (its error ends the run): stop learning too
 

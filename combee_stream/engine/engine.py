@@ -88,6 +88,8 @@ class Engine:
         self._env = env
         self._llm = llm or LLMClient(config.llm, env=env)
         self._owns_llm = llm is None
+        # First: a role without an endpoint raises here, before any Kafka client exists to leak.
+        learner = Learner.from_config(config, self._llm, gate=gate)
         self.metrics = EngineMetrics(config.engine.key_metric_series)
         self._handle_signals = handle_signals
         self._eos = config.engine.processing_guarantee == "exactly_once"
@@ -114,7 +116,6 @@ class Engine:
             env,
             on_published=self._release.published if self._release.enabled else None,
         )
-        learner = Learner.from_config(config, self._llm, gate=gate)
         self._intake = Intake(
             config,
             self._consumer,

@@ -214,13 +214,16 @@ class Intake:
         if entry.chain.seen(item.trace.trace_id):
             # The same trace sent again (a producer's retry, an agent's re-send): learning it
             # twice would count its lesson twice.
-            self._metrics.traces_duplicate.inc()
-            log.info("duplicate trace skipped", key=key, trace_id=item.trace.trace_id)
-            part.offsets.done(record.offset)
+            self._skip_duplicate(part, key, item.trace.trace_id, record.offset)
             return
         if self._observe is not None:
             self._observe(item.trace)
         entry.inbox.send_nowait(Pending(item.trace, item.source, anyio.current_time()))
+
+    def _skip_duplicate(self, part: PartitionState, key: str, trace_id: str, offset: int) -> None:
+        self._metrics.traces_duplicate.inc()
+        log.info("duplicate trace skipped", key=key, trace_id=trace_id)
+        part.offsets.done(offset)
 
     def _start_key(self, key: str, part: PartitionState) -> KeyEntry:
         chain = KeyChain(key, partition=part.partition, horizon=self._config.engine.dedup_horizon)
@@ -237,8 +240,19 @@ class Intake:
             self._config.engine.queue_size + MAX_POLL_RECORDS
         )
         policy = batch_policy(self._config.learning, key=key)
+
+        def duplicate(item: Pending) -> None:  # seen in the version the loader read
+            self._skip_duplicate(part, key, item.trace.trace_id, item.source.offset)
+
         pipeline = KeyPipeline(
-            chain, self._learner, policy, self._publisher, recv, self._settings, loader=loader
+            chain,
+            self._learner,
+            policy,
+            self._publisher,
+            recv,
+            self._settings,
+            loader=loader,
+            duplicate=duplicate,
         )
         entry = self.keys[key] = KeyEntry(chain, pipeline, send, indexed)
         assert self._tg is not None

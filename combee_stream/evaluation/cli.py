@@ -25,7 +25,7 @@ from combee_stream.tasks import load_tasks
 def register(sub: Any) -> None:
     parser = sub.add_parser(
         "eval",
-        help="run the example agent on a task set and report accuracy with a 95% interval",
+        help="run the example agent on a task set and report accuracy with a 95%% interval",
         description=(
             "The prompt is the base prompt (none) unless --playbook PATH or --key K --version V "
             "is given; --compare-to base|vN|PATH adds a paired comparison on the same tasks. "

@@ -128,30 +128,32 @@ class UpdateFetcher:
 
     def __init__(self, cfg: KafkaConfig, env: Mapping[str, str] | None = None) -> None:
         self._cfg = cfg
-        self._consumer = reading_consumer(cfg, env)
+        self._env = env
+        # Made on first use: a consumer made and never started warns "Unclosed" when an
+        # engine stops at a start check.
+        self._consumer: AIOKafkaConsumer | None = None
         self._lock = anyio.Lock()
-        self._started = False
 
     async def aclose(self) -> None:
-        if self._started:
+        if self._consumer is not None:
             await stop_quietly(self._consumer)
 
     async def update_at(self, partition: int, offset: int, key: str) -> PromptUpdate | None:
         """The update of ``key`` at ``offset``; past it when compaction moved things (the
         newest of a key is never compacted away, so reading on finds it)."""
         async with self._lock:
-            if not self._started:
-                await start_client(self._consumer, self._cfg)
-                self._started = True
+            consumer = self._consumer
+            if consumer is None:
+                consumer = reading_consumer(self._cfg, self._env)
+                await start_client(consumer, self._cfg)  # stops it when it fails
+                self._consumer = consumer
             tp = TopicPartition(self._cfg.prompts_topic, partition)
-            self._consumer.assign([tp])
-            self._consumer.seek(tp, offset)
-            end = (await self._consumer.end_offsets([tp]))[tp]
+            consumer.assign([tp])
+            consumer.seek(tp, offset)
+            end = (await consumer.end_offsets([tp]))[tp]
             found: PromptUpdate | None = None
-            while await self._consumer.position(tp) < end:
-                batch = (await self._consumer.getmany(tp, timeout_ms=500, max_records=50)).get(
-                    tp, []
-                )
+            while await consumer.position(tp) < end:
+                batch = (await consumer.getmany(tp, timeout_ms=500, max_records=50)).get(tp, [])
                 for record in batch:
                     if record.key == key.encode():
                         update = decode_update(record)

@@ -195,7 +195,7 @@ class SimApp:
                 case ("POST", "/v1/embeddings"):
                     await self._embeddings(await _read_body(receive), receive, send)
                 case ("GET", "/v1/models"):
-                    await _send_json(send, 200, self._models())
+                    await _send_json(send, 200, self._models(self.settings.models))
                 case ("GET", "/health"):
                     await _send_json(send, 200, {"status": "ok", "simulated": True})
                 case ("GET", "/sim/stats"):
@@ -213,14 +213,25 @@ class SimApp:
             await _send_json(send, 400, _error(exc.message, "invalid_request_error", exc.param))
 
     @staticmethod
-    def _models() -> Any:
+    def _models(served: tuple[str, ...] | None) -> Any:
         return {
             "object": "list",
             "data": [
                 {"id": name, "object": "model", "created": 0, "owned_by": "combee-sim"}
-                for name in (CHAT_MODEL, EMBEDDING_MODEL)
+                for name in (served if served is not None else (CHAT_MODEL, EMBEDDING_MODEL))
             ],
         }
+
+    async def _served(self, send: Send, model: str) -> bool:
+        """Whether ``model`` is served; if not, the 404 a real endpoint answers (sent)."""
+        served = self.settings.models
+        if served is None or model in served:
+            return True
+        message = f"The model `{model}` does not exist or you do not have access to it."
+        await _send_json(
+            send, 404, _error(message, "invalid_request_error", code="model_not_found")
+        )
+        return False
 
     def _attempt(self, request_hash: str) -> int:
         attempt = self._seen.get(request_hash, 0)
@@ -243,6 +254,8 @@ class SimApp:
     async def _chat(self, body: bytes, receive: Receive, send: Send) -> None:
         request = _parse_object(body)
         model, messages = _check_chat_request(request)
+        if not await self._served(send, model):
+            return
         prompt = "\n".join(text for role, text in messages if role == "user")
         role = identify_role(prompt)
         if role is None:
@@ -323,6 +336,8 @@ class SimApp:
     async def _embeddings(self, body: bytes, receive: Receive, send: Send) -> None:
         request = _parse_object(body)
         model, texts, dimensions, as_base64 = _check_embeddings_request(request)
+        if not await self._served(send, model):
+            return
         settings, stats, role = self.settings, self._stats, "embeddings"
         request_hash = _request_hash("/v1/embeddings", request)
         attempt = self._attempt(request_hash)

@@ -112,6 +112,9 @@ class SimSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     time_scale: float = 1.0
     # Requests must carry ``Authorization: Bearer <api_key>`` (401 otherwise); None = any.
     api_key: str | None = None
+    # The models served (and listed); a request for another gets 404 model_not_found, as from a
+    # real endpoint once a model is removed. None: any model is accepted.
+    models: tuple[str, ...] | None = None
     # A chat request whose prompt contains this text always gets a schema-violating reply:
     # a trace the model cannot handle, while the others succeed.
     poison: str | None = None
