@@ -34,6 +34,7 @@ from combee_stream.core.prompts import (
     load_prompts,
     reflector_messages,
 )
+from combee_stream.core.versions import update_bytes
 from combee_stream.engine import Engine
 from combee_stream.engine.partition import KeyIndex
 from combee_stream.errors import DecodeError
@@ -179,6 +180,104 @@ async def test_a_version_over_the_topics_limit_is_rejected_then_learning_goes_on
     assert v1.stats.rejection.limit == 200_000 and v1.stats.rejection.would_be > 200_000
     assert not any(s.bullets for s in v1.playbook.sections), "the oversized delta was not applied"
     assert v2.stats.rejection is None and lessons_of(v2.playbook) == {"c-l0", "c-l1"}
+
+
+def with_limits(cfg: Config, *, max_message_bytes: int, bullet_chars: int) -> Config:
+    return msgspec.structs.replace(
+        cfg,
+        kafka=msgspec.structs.replace(cfg.kafka, max_message_bytes=max_message_bytes),
+        learning=msgspec.structs.replace(cfg.learning, max_bullet_chars=bullet_chars),
+    )
+
+
+@pytest.mark.anyio
+async def test_the_size_bound_is_the_encoded_update_json_escaping_included(
+    config: Config, unique: str
+) -> None:
+    """Lessons of backslashes: JSON doubles each one, in the bullets and again in the rendered
+    prompt. The old estimate (the playbook's encoding, the raw rendering, a fixed reserve) put
+    this version under the topics' limit; the broker refused it and the key stalled."""
+    slashes = "\\" * 45_000
+    first = [lesson_trace("esc-a", f"a{i}", f"a-l{i}", f"Escape {i} {slashes}") for i in range(2)]
+    later = [lesson_trace("esc-a", f"c{i}", f"c-l{i}", f"short rule {i} for a") for i in range(2)]
+    async with sim_server(SimSettings(seed=1)) as llm:
+        cfg = engine_config(config, unique, llm.base_url, batch_size=2)
+        cfg = with_limits(cfg, max_message_bytes=350_000, bullet_chars=100_000)
+        updates = await learn_all(cfg, first + later)
+    result = audit(updates)
+    assert result.problems == [] and set(result.learned) == {t.trace_id for t in first + later}
+    v1, v2 = sorted(updates, key=lambda u: u.version)
+    assert isinstance(v1.stats.rejection, SizeRejection), v1.stats.rejection
+    assert v1.stats.rejection.would_be > 350_000
+    assert not any(s.bullets for s in v1.playbook.sections), "the oversized delta was not applied"
+    assert v2.stats.rejection is None and lessons_of(v2.playbook) == {"c-l0", "c-l1"}
+    assert max(update_bytes(u) for u in updates) <= 350_000
+
+
+@pytest.mark.anyio
+async def test_a_version_the_broker_refuses_as_too_large_is_rejected_not_retried(
+    config: Config, unique: str
+) -> None:
+    """An operator lowers the prompts topic's max.message.bytes below kafka.max_message_bytes
+    while the engine runs. The broker refuses the next large version (MESSAGE_TOO_LARGE): no
+    retry can succeed, so the window is published rejected for size and learning goes on
+    (it used to be retried like an outage until engine.broker_deadline_s, then a crash loop)."""
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    from combee_stream.kafka.topics import topic_config
+
+    first = [lesson_trace("ka", f"a{i}", f"a-l{i}", f"rule {i} for the agent") for i in range(2)]
+    big = [lesson_trace("ka", f"b{i}", f"b-l{i}", f"{'y' * 20_000} {i}") for i in range(2)]
+    later = [
+        lesson_trace("ka", f"c{i}", f"c-l{i}", f"quote sources verbatim, case {i}")
+        for i in range(2)
+    ]
+    async with sim_server(SimSettings(seed=1)) as llm:
+        cfg = engine_config(config, unique, llm.base_url, batch_size=2)
+        cfg = with_limits(cfg, max_message_bytes=1_000_000, bullet_chars=30_000)
+        cfg = msgspec.structs.replace(
+            cfg, engine=msgspec.structs.replace(cfg.engine, broker_deadline_s=10.0)
+        )
+        engine = Engine(cfg)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.run)
+            await engine.started.wait()
+            await produce(cfg, first)
+            await wait_until_learned(cfg, {"ka": 2})
+            admin = AIOKafkaAdminClient(bootstrap_servers=cfg.kafka.bootstrap_servers)
+            await admin.start()
+            try:
+                lowered = {"cleanup.policy": "compact", "max.message.bytes": "20000"}
+                await admin.alter_configs(
+                    [ConfigResource(ConfigResourceType.TOPIC, cfg.kafka.prompts_topic, lowered)]
+                )
+                with anyio.fail_after(30):
+                    while (  # noqa: ASYNC110 - the broker's state
+                        await topic_config(admin, cfg.kafka.prompts_topic, "max.message.bytes")
+                        != "20000"
+                    ):
+                        await anyio.sleep(0.1)
+            finally:
+                await admin.close()
+            await produce(cfg, big)
+            await wait_until_learned(cfg, {"ka": 4}, 60)
+            await produce(cfg, later)
+            updates = await wait_until_learned(cfg, {"ka": 6}, 60)
+            engine.stop()
+    result = audit(updates)
+    assert result.problems == [] and set(result.learned) == {
+        t.trace_id for t in first + big + later
+    }
+    v1, v2, v3 = sorted(updates, key=lambda u: u.version)
+    assert isinstance(v2.stats.rejection, SizeRejection), v2.stats.rejection
+    assert v2.stats.rejection.would_be > 20_000
+    assert lessons_of(v2.playbook) == lessons_of(v1.playbook) == {"a-l0", "a-l1"}
+    assert v3.stats.rejection is None and {"c-l0", "c-l1"} <= lessons_of(v3.playbook)
+    refused = engine.metrics.registry.get_sample_value(
+        "combee_broker_failures_total", {"op": "publish"}
+    )
+    assert not refused, "a refused record is not an outage to retry"
 
 
 @pytest.mark.anyio
