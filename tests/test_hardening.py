@@ -685,6 +685,7 @@ async def test_idle_keys_are_evicted_and_come_back_from_the_topic(
             series = [
                 s for family in engine.metrics.prompt_version.collect() for s in family.samples
             ]
+            workers = sum(len(part.workers) for part in engine._partitions.values())
             index = [i for part in engine._partitions.values() for i in part.index.values()]
             again = [lesson_trace(k, f"{k}-2", f"{k}-b", f"second rule of {k}") for k in keys[:5]]
             await produce(cfg, again)
@@ -694,11 +695,66 @@ async def test_idle_keys_are_evicted_and_come_back_from_the_topic(
             engine.stop()
     assert len(series) <= 11, "per-key series are bounded (and released on eviction)"
     assert len(index) == len(keys) and all(isinstance(i, KeyIndex) for i in index)
+    assert workers == 0, "an evicted key's finished pipeline leaves nothing behind"
     result = audit(updates)
     assert result.problems == [] and max(result.learned.values()) == 1
     for key in keys[:5]:  # restored from the topic: version 2 on version 1, both lessons
         assert result.final[key].version == 2
         assert lessons_of(result.final[key].playbook) == {f"{key}-a", f"{key}-b"}
+
+
+@pytest.mark.anyio
+async def test_an_undecodable_prompts_record_stops_the_restore_with_one_clear_line(
+    config: Config, unique: str, tmp_path: Path
+) -> None:
+    """A key whose newest record does not decode: restoring past it would resume the key from
+    its older version (or from nothing) and learn on. The engine stops, says where and what to
+    do, and publishes nothing."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from combee_stream.core.versions import seed_update
+    from combee_stream.kafka.producer import make_producer, publish_update
+    from combee_stream.kafka.reader import read_updates as read_topic_updates
+
+    traces = [lesson_trace("ka", f"t{i}", f"l{i}", f"rule {i} for the agent") for i in range(3)]
+    async with sim_server(SimSettings(seed=1)) as llm:
+        cfg = engine_config(config, unique, llm.base_url, batch_size=3)
+        await ensure_topics(cfg.kafka)
+        good = seed_update("ka", "You are a careful agent.", None)
+        producer = make_producer(cfg.kafka)
+        await producer.start()
+        try:
+            partition, _ = await publish_update(producer, cfg.kafka, good)
+            garbage = await producer.send_and_wait(
+                cfg.kafka.prompts_topic, value=b'{"key": "ka", "version": 1', key=b"ka"
+            )
+        finally:
+            await producer.stop()
+        await produce(cfg, traces)
+        log = tmp_path / "engine.log"
+        proc = spawn_engine(cfg, log)
+        try:
+            with anyio.fail_after(120):
+                while proc.poll() is None:  # noqa: ASYNC110 - another process
+                    await anyio.sleep(0.2)
+        finally:
+            kill(proc)
+        text = log.read_text()
+        updates = await read_topic_updates(cfg.kafka)
+        admin = AIOKafkaAdminClient(bootstrap_servers=cfg.kafka.bootstrap_servers)
+        await admin.start()
+        try:
+            committed = await admin.list_consumer_group_offsets(cfg.kafka.group_id)
+        finally:
+            await admin.close()
+    assert proc.returncode == 1, text[-2000:]
+    ours = [line for line in text.splitlines() if line.startswith("combee-stream:")]
+    assert len(ours) == 1, text[-2000:]
+    line = ours[0]
+    assert f"{cfg.kafka.prompts_topic!r} partition {partition} offset {garbage.offset}" in line
+    assert "(key 'ka')" in line and "prompts set" in line and "nothing was committed" in line
+    assert [u.version for u in updates] == [0], "nothing was learned from a guessed state"
+    assert [at.offset for at in committed.values() if at.offset >= 0] == []
 
 
 # A starting content policy (the README's): links, e-mail addresses, instructions to drop rules.

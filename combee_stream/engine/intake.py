@@ -248,7 +248,12 @@ class Intake:
     async def _run_pipeline(self, pipeline: KeyPipeline, part: PartitionState) -> None:
         with anyio.CancelScope() as scope:
             part.workers.append(scope)
-            await pipeline.run()
+            try:
+                await pipeline.run()
+            finally:
+                # Done (evicted, drained or cancelled): a kept scope would pin the finished
+                # task, one per key that ever passed through the partition.
+                part.workers.remove(scope)
 
 
 __all__ = ["MAX_POLL_RECORDS", "Intake", "KeyEntry", "pipeline_settings"]
