@@ -352,6 +352,46 @@ async def test_topics_create_sets_the_limits_and_refuses_compact_delete(
 
 
 @pytest.mark.anyio
+async def test_topics_create_bounds_the_history_and_traces_topics_too(
+    config: Config, unique: str
+) -> None:
+    """A version goes to the history topic as well (the same update, in the same transaction)
+    and the ingest stage writes traces up to kafka.max_message_bytes: both topics get the
+    limit, the history topic must be compacted, and a topic that takes less is refused."""
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    from combee_stream.kafka.topics import TopicMismatchError, topic_config
+
+    cfg = engine_config(config, unique, "http://127.0.0.1:9/v1")
+    await ensure_topics(cfg.kafka)
+    compact_delete = engine_config(config, unique + "h", "http://127.0.0.1:9/v1")
+    small_traces = engine_config(config, unique + "t", "http://127.0.0.1:9/v1")
+    admin = AIOKafkaAdminClient(bootstrap_servers=cfg.kafka.bootstrap_servers)
+    await admin.start()
+    try:
+        limits = [
+            await topic_config(admin, name, "max.message.bytes")
+            for name in (cfg.kafka.history_topic, cfg.kafka.traces_topic)
+        ]
+        policy = await topic_config(admin, cfg.kafka.history_topic, "cleanup.policy")
+        history = {"cleanup.policy": "compact,delete", "retention.ms": "60000"}
+        small = {"max.message.bytes": str(cfg.kafka.max_message_bytes // 2)}
+        await admin.create_topics(
+            [
+                NewTopic(compact_delete.kafka.history_topic, 3, 1, topic_configs=history),
+                NewTopic(small_traces.kafka.traces_topic, 3, 1, topic_configs=small),
+            ]
+        )
+    finally:
+        await admin.close()
+    assert limits == [str(cfg.kafka.max_message_bytes)] * 2 and policy == "compact"
+    with pytest.raises(TopicMismatchError, match=r"history topic .* policy=compact,delete"):
+        await ensure_topics(compact_delete.kafka)
+    with pytest.raises(TopicMismatchError, match=r"traces topic .* at most 500000 bytes"):
+        await ensure_topics(small_traces.kafka)
+
+
+@pytest.mark.anyio
 async def test_a_paused_zombie_instance_cannot_fork_the_version_chain(
     config: Config, unique: str, tmp_path: Path
 ) -> None:
