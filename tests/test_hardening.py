@@ -395,9 +395,11 @@ async def test_topics_create_bounds_the_history_and_traces_topics_too(
 async def test_a_paused_zombie_instance_cannot_fork_the_version_chain(
     config: Config, unique: str, tmp_path: Path
 ) -> None:
-    """Instance A is frozen (SIGSTOP) past its session timeout with windows in flight; B takes
-    its partitions over; A thaws and tries to publish. In the default (watermark) mode the
-    partition's transactional id fences A: no version number is ever written twice."""
+    """Instance A is frozen (SIGSTOP) past its session timeout with windows in flight (frozen
+    the moment a curator request of it arrives: the answer waits in its socket, so on thaw
+    the window is ready to publish before A hears of the rebalance); B takes its partitions
+    over; A thaws and tries to publish. In the default (watermark) mode the partition's
+    transactional id fences A: no version number is ever written twice."""
     traces = generate_traces(80, 2, 8, seed=31)
     async with sim_server(SimSettings(seed=31, latency=LatencyModel(base_s=0.4))) as llm:
         cfg = engine_config(config, unique, llm.base_url, batch_size=5, session_timeout_ms=3000)
@@ -435,6 +437,12 @@ async def test_a_paused_zombie_instance_cannot_fork_the_version_chain(
     assert result.problems == []
     assert set(result.learned) == {t.trace_id for t in traces}
     assert max(result.learned.values()) == 1, "a trace was learned twice"
+    # Not vacuous: the thawed zombie did try to publish a window it held, and was stopped
+    # (fenced by B's transactional id, or its partition already revoked), writing nothing.
+    events = [msgspec.json.decode(line) for line in (tmp_path / "a.log").read_text().splitlines()
+              if line.startswith("{")]  # fmt: skip
+    stopped = [e for e in events if e.get("event") == "partition revoked: window abandoned"]
+    assert stopped, "the zombie never tried to publish: the test proved nothing"
 
 
 @pytest.mark.anyio
