@@ -14,6 +14,7 @@ from pathlib import Path
 import anyio
 import msgspec
 import pytest
+import structlog
 from engine_support import (
     audit,
     engine_config,
@@ -582,6 +583,35 @@ async def test_a_lost_prompts_topic_is_never_silently_recreated(
     finally:
         await admin.close()
     assert cfg.kafka.prompts_topic not in names, "it was not recreated empty"
+
+
+def test_the_engines_own_repeated_lines_are_rate_limited_and_summed_up() -> None:
+    """Not only aiokafka's records: the engine's retry loops log one structlog line per attempt
+    ("publish failed, retrying"), which a lost topic turns into a flood. One memory of repeats
+    for both; a line's kind is its event, level and where (op, partition, key, topic), not its
+    attempt number or error text."""
+    from combee_stream.logs import RepeatProcessor, Repeats
+
+    now = [0.0]
+    gate = RepeatProcessor(Repeats(every_s=10.0), clock=lambda: now[0])
+
+    def line(event: str, level: str = "warning", **where: object) -> str | None:
+        try:
+            return str(gate(None, level, {"event": event, **where})["event"])
+        except structlog.DropEvent:
+            return None
+
+    passed = []
+    for attempt in range(50):  # one per 0.1 s, for 5 s, with changing details
+        now[0] = attempt * 0.1
+        passed.append(line("publish failed, retrying", op="publish", partition=2, attempt=attempt))
+    assert passed[0] == "publish failed, retrying" and passed[1:] == [None] * 49
+    assert line("publish failed, retrying", op="publish", partition=1) is not None, "elsewhere"
+    assert line("version published", "info", op="publish", partition=2) is not None, "info passes"
+    now[0] = 10.5
+    assert line("publish failed, retrying", op="publish", partition=2) == (
+        "publish failed, retrying (and 49 more like it in the last 10 s)"
+    )
 
 
 def free_port() -> int:

@@ -160,9 +160,13 @@ async def index_partition(
     newest: dict[str, Newest] = {}
     forks: list[tuple[str, int]] = []
     try:
-        tps = await assign_from_start(
-            consumer, cfg.prompts_topic, [partition], hint=": run `combee-stream topics create`"
-        )
+        try:
+            tps = await assign_from_start(consumer, cfg.prompts_topic, [partition])
+        except UserError as exc:  # the topic was deleted under a running engine
+            raise EngineHalted(
+                f"cannot restore partition {partition}: {exc} (the engine's state is gone: "
+                "`combee-stream run` says how to recover)"
+            ) from exc
         async for batch in until_end(consumer, tps):
             for record in batch:
                 key = record.key.decode(errors="replace") if record.key else ""
