@@ -450,6 +450,7 @@ async def test_a_paused_zombie_instance_cannot_fork_the_version_chain(
 async def test_a_fork_is_reported_and_the_first_version_stands(config: Config, unique: str) -> None:
     from combee_stream.core.versions import seed_update
     from combee_stream.kafka.producer import make_producer, publish_update
+    from combee_stream.kafka.reader import index_partition
     from combee_stream.kafka.subscriber import PromptSubscriber
 
     cfg = engine_config(config, unique, "http://127.0.0.1:9/v1")
@@ -459,13 +460,19 @@ async def test_a_fork_is_reported_and_the_first_version_stands(config: Config, u
     producer = make_producer(cfg.kafka)
     await producer.start()
     try:
-        for update in (first, first, other):  # a retried send is no fork; the third one is
-            await publish_update(producer, cfg.kafka, update)
+        # A retried send is no fork; the third one is.
+        written = [await publish_update(producer, cfg.kafka, u) for u in (first, first, other)]
     finally:
         await producer.stop()
     async with PromptSubscriber(cfg.kafka, keys={"bot"}) as prompts:
         assert prompts.latest("bot") == first
         assert prompts.forks == [("bot", 0)]
+    # The restore's rule is the subscriber's (until compaction keeps only the last record):
+    # the index points at the first record of the version, and the fork is reported.
+    partition, offset = written[0]
+    newest, forks = await index_partition(cfg.kafka, partition)
+    assert newest["bot"].offset == offset and newest["bot"].version == 0
+    assert forks == [("bot", 0)]
     env = {**os.environ, **env_for(cfg)}
     shown = await anyio.run_process(
         [sys.executable, "-m", "combee_stream", "inspect", "bot"], env=env, check=False

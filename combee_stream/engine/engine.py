@@ -121,6 +121,7 @@ class Engine:
             outage=lambda: self._llm.outage,
             fetch=self._fetch,
             observe=self._release.observe if self._release.enabled else None,
+            evicted=self._release.forget,
         )
         self._fetcher = UpdateFetcher(kafka, env)
         self._generation = 0
