@@ -282,6 +282,68 @@ async def test_a_version_the_broker_refuses_as_too_large_is_rejected_not_retried
 
 
 @pytest.mark.anyio
+async def test_a_key_of_cjk_lessons_is_consolidated_at_the_byte_limit_and_keeps_learning() -> None:
+    """CJK text reaches kafka.max_message_bytes long before the token budget (3 bytes a
+    character, twice per version: bullets and prompt). Consolidation triggered on tokens only
+    let the key grow to the byte limit, and then every later window was rejected for size:
+    its lessons were never learned. Triggered on bytes too, the wordings of each lesson are
+    merged and every lesson of the stream gets in."""
+    import random as random_
+
+    from engine_support import sim_learner
+
+    from combee_stream.config import KafkaConfig, LearningConfig
+    from combee_stream.core.controller import FixedBatch
+    from combee_stream.core.pipeline import KeyPipeline, MemorySink, PipelineSettings, closed_inbox
+    from combee_stream.core.versions import KeyChain
+    from combee_stream.sim.markers import VARIANT, base_id, retained_ids
+
+    lessons, wordings, limit = 24, 20, 65_536
+    rng = random_.Random(5)
+    slots = sorted((j + rng.uniform(0, 3), j, n) for j in range(lessons) for n in range(wordings))
+    traces = [
+        Trace(
+            key="cjk",
+            trace_id=f"w-{i:05d}",
+            task=f"Case {i} of the queue",
+            feedback=Feedback(
+                passed=False,
+                text=marker_line(
+                    f"cjk-l{j:03d}{VARIANT}{n}", f"规则{j}（情形{n}）：" + "检查合同条款" * 40
+                ),
+            ),
+        )
+        for i, (_, j, n) in enumerate(slots)
+    ]
+    cfg = Config(
+        learning=LearningConfig(seed=0, max_bullet_chars=2_000),
+        kafka=KafkaConfig(max_message_bytes=limit),
+    )
+    items = [(t, Source(t.trace_id, 0, i)) for i, t in enumerate(traces)]
+    async with sim_learner(cfg) as learner:
+        sink = MemorySink()
+        pipeline = KeyPipeline(
+            KeyChain("cjk"), learner, FixedBatch(24), sink, closed_inbox(items),
+            PipelineSettings(pipelined=False, max_windows_in_flight=1),
+        )  # fmt: skip
+        await pipeline.run()
+    updates = sink.updates
+    final = updates[-1]
+    assert playbook_tokens_of(final) < cfg.learning.consolidate_at * cfg.learning.token_budget
+    assert any(u.stats.consolidated is not None for u in updates), "consolidated on bytes"
+    assert {base_id(i) for i in retained_ids(final.playbook)} == {
+        f"cjk-l{j:03d}" for j in range(lessons)
+    }, "every lesson of the stream was learned"
+    assert max(update_bytes(u) for u in updates) <= limit
+
+
+def playbook_tokens_of(update: PromptUpdate) -> int:
+    from combee_stream.core.playbook import playbook_tokens
+
+    return playbook_tokens(update.playbook)
+
+
+@pytest.mark.anyio
 async def test_a_stuck_key_pauses_its_own_partition_only(config: Config, unique: str) -> None:
     """Key slow-a (partition 2) has slow reflections and fills its partition's queue; key
     fast-b (partition 0), sent after that, must be read and learned at once."""
