@@ -164,7 +164,8 @@ class LearningConfig(_Section):
     fan_in: Annotated[int, Meta(ge=0)] = 0  # 0 = k = floor(sqrt(n)) groups
     combine: Literal["union", "llm"] = "union"
     token_budget: Positive = 80_000
-    # When a window would leave the playbook above this share of token_budget, it is first
+    # When a window would leave the playbook above this share of token_budget (or its version
+    # above this share of kafka.max_message_bytes: CJK text reaches bytes first), it is first
     # consolidated: per section, near-duplicate bullets are merged by the curator's endpoint
     # (keeping their specifics, their counts and provenance), and bullets whose harmful count
     # exceeds their helpful count by drop_harmful_margin or more are dropped. Nothing else is

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, Literal
+import time
+from collections.abc import Callable, MutableMapping
+from typing import Any, Final, Literal
 
 import structlog
 
@@ -24,8 +26,14 @@ def configure_logging(
         if as_json
         else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     )
+    repeats = Repeats()
     structlog.configure(
-        processors=[*shared, structlog.processors.format_exc_info, renderer],
+        processors=[
+            *shared,
+            RepeatProcessor(repeats),  # after the context: the key is part of a line's kind
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
         logger_factory=_stderr_logger,
         cache_logger_on_first_use=False,
@@ -40,7 +48,7 @@ def configure_logging(
             foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
         )
     )
-    handler.addFilter(RepeatFilter())
+    handler.addFilter(RepeatFilter(repeats))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(getattr(logging, level.upper()))
@@ -50,32 +58,75 @@ def configure_logging(
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
 
 
-class RepeatFilter(logging.Filter):
+class Repeats:
     """Let one line of a kind through per ``every_s`` seconds: a client library retrying
-    against a lost topic or a dead broker logs the same error hundreds of times a second. The
-    first line of a run of repeats passes; the next one that passes says how many were held."""
+    against a lost topic or a dead broker logs the same error hundreds of times a second, and
+    the engine's own retry loops ("publish failed, retrying", "poll failed, retrying") one per
+    attempt. The first line of a run of repeats passes; the next one that passes says how many
+    were held. One memory for both kinds of line (stdlib records and structlog events)."""
 
     def __init__(self, every_s: float = 10.0) -> None:
-        super().__init__()
         self.every_s = every_s
-        self._last: dict[tuple[str, int, str], tuple[float, int]] = {}
+        self._last: dict[tuple[str, ...], tuple[float, int]] = {}
+
+    def admit(self, kind: tuple[str, ...], now: float) -> int | None:
+        """None: hold this line; else how many like it were held since the last one passed."""
+        seen = self._last.get(kind)
+        if seen is not None and now - seen[0] < self.every_s:
+            self._last[kind] = (seen[0], seen[1] + 1)
+            return None
+        self._last[kind] = (now, 0)
+        if len(self._last) > 1000:  # a bounded memory of kinds
+            self._last.pop(next(iter(self._last)))
+        return seen[1] if seen is not None else 0
+
+    def summary(self, held: int) -> str:
+        return f" (and {held} more like it in the last {self.every_s:g} s)"
+
+
+class RepeatFilter(logging.Filter):
+    """:class:`Repeats` for aiokafka's warnings and errors (stdlib logging)."""
+
+    def __init__(self, repeats: Repeats | None = None) -> None:
+        super().__init__()
+        self.repeats = repeats or Repeats()
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING or not record.name.startswith("aiokafka"):
             return True
-        what = (record.name, record.levelno, str(record.msg))
-        now = record.created
-        seen = self._last.get(what)
-        if seen is not None and now - seen[0] < self.every_s:
-            self._last[what] = (seen[0], seen[1] + 1)
+        held = self.repeats.admit(
+            (record.name, str(record.levelno), str(record.msg)), record.created
+        )
+        if held is None:
             return False
-        held = seen[1] if seen is not None else 0
-        self._last[what] = (now, 0)
-        if len(self._last) > 1000:  # a bounded memory of kinds
-            self._last.pop(next(iter(self._last)))
         if held:
-            record.msg = f"{record.msg} (and {held} more like it in the last {self.every_s:g} s)"
+            record.msg = f"{record.msg}{self.repeats.summary(held)}"
         return True
+
+
+class RepeatProcessor:
+    """:class:`Repeats` for the engine's own warnings and errors (a structlog processor): a
+    line is of a kind by its event, level and the fields that say where (key, partition, op),
+    not by its attempt number or error text, which change on every retry."""
+
+    WHERE: Final = ("op", "partition", "key", "topic")
+
+    def __init__(self, repeats: Repeats, clock: Callable[[], float] = time.time) -> None:
+        self.repeats = repeats
+        self._clock = clock
+
+    def __call__(
+        self, logger: Any, method: str, event: MutableMapping[str, Any]
+    ) -> MutableMapping[str, Any]:
+        if method not in ("warning", "error", "critical", "exception"):
+            return event
+        kind = (method, str(event.get("event")), *(str(event.get(k)) for k in self.WHERE))
+        held = self.repeats.admit(kind, self._clock())
+        if held is None:
+            raise structlog.DropEvent
+        if held:
+            event["event"] = f"{event.get('event')}{self.repeats.summary(held)}"
+        return event
 
 
 def _stderr_logger(*args: Any) -> structlog.PrintLogger:

@@ -21,7 +21,7 @@ from combee_stream.errors import DecodeError, UserError
 from combee_stream.kafka.client import start_client
 from combee_stream.kafka.history import CANDIDATE, PRODUCTION, move_label, read_history
 from combee_stream.kafka.producer import make_producer, publish_update
-from combee_stream.kafka.reader import read_updates
+from combee_stream.kafka.reader import content_digest, read_updates
 from combee_stream.kafka.subscriber import PromptSubscriber
 from combee_stream.schemas import PromptUpdate, encode
 
@@ -138,11 +138,8 @@ async def read_versions(config: Config, key: str) -> tuple[list[PromptUpdate], l
     forks: set[int] = set()
     for update in await read_updates(config.kafka, keys={key}):
         first = versions.setdefault(update.version, update)
-        if first is not update and (first.playbook, first.stats.trace_ids) != (
-            update.playbook,
-            update.stats.trace_ids,
-        ):
-            forks.add(update.version)
+        if first is not update and content_digest(first) != content_digest(update):
+            forks.add(update.version)  # the subscriber's and the restore's comparison
     return [versions[v] for v in sorted(versions)], sorted(forks)
 
 
@@ -152,7 +149,8 @@ async def _inspect(args: argparse.Namespace, config: Config) -> int:
         print(
             f"combee-stream inspect: FORK: versions {forks} of {args.key!r} were published "
             "twice with different content; the first published of each is the one served and "
-            "restored",
+            "restored until compaction, which keeps only the key's last record (see README, "
+            "guarantees)",
             file=sys.stderr,
         )
     if not versions:

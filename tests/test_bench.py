@@ -196,3 +196,24 @@ async def test_gate_quick(config: Config) -> None:
     )
     assert 0 <= gated.worse_share <= 1 and 0 <= plain.worse_share <= 1
     assert "Simulated LLM" in markdown(report)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_keys_quick(config: Config) -> None:
+    """Every wave is published and evicted; the figures agree with each other: one version
+    and one index entry per key seen, no live pipeline once idle, series not growing."""
+    from combee_stream.bench.keys import KeysSettings, markdown, run_keys
+
+    settings = KeysSettings(keys=90, waves=3, key_idle_s=1.0, key_metric_series=10)
+    report = await run_keys(config, settings)
+    assert [s.keys_seen for s in report.samples] == [30, 60, 90]
+    for sample in report.samples:
+        assert sample.versions_published == sample.index_entries == sample.keys_seen
+        assert sample.live_pipelines == 0 and sample.rss_mb > 0
+    assert len({s.metric_series for s in report.samples}) == 1, "series do not grow with keys"
+    first, last = report.samples[0], report.samples[-1]
+    assert report.rss_mb_per_1000_keys == pytest.approx(
+        (last.rss_mb - first.rss_mb) / (last.keys_seen - first.keys_seen) * 1000
+    )
+    assert all(t.met for t in report.targets) and "Simulated LLM" in markdown(report)

@@ -14,6 +14,7 @@ from pathlib import Path
 import anyio
 import msgspec
 import pytest
+import structlog
 from engine_support import (
     audit,
     engine_config,
@@ -34,6 +35,7 @@ from combee_stream.core.prompts import (
     load_prompts,
     reflector_messages,
 )
+from combee_stream.core.versions import update_bytes
 from combee_stream.engine import Engine
 from combee_stream.engine.partition import KeyIndex
 from combee_stream.errors import DecodeError
@@ -181,6 +183,166 @@ async def test_a_version_over_the_topics_limit_is_rejected_then_learning_goes_on
     assert v2.stats.rejection is None and lessons_of(v2.playbook) == {"c-l0", "c-l1"}
 
 
+def with_limits(cfg: Config, *, max_message_bytes: int, bullet_chars: int) -> Config:
+    return msgspec.structs.replace(
+        cfg,
+        kafka=msgspec.structs.replace(cfg.kafka, max_message_bytes=max_message_bytes),
+        learning=msgspec.structs.replace(cfg.learning, max_bullet_chars=bullet_chars),
+    )
+
+
+@pytest.mark.anyio
+async def test_the_size_bound_is_the_encoded_update_json_escaping_included(
+    config: Config, unique: str
+) -> None:
+    """Lessons of backslashes: JSON doubles each one, in the bullets and again in the rendered
+    prompt. The old estimate (the playbook's encoding, the raw rendering, a fixed reserve) put
+    this version under the topics' limit; the broker refused it and the key stalled."""
+    slashes = "\\" * 45_000
+    first = [lesson_trace("esc-a", f"a{i}", f"a-l{i}", f"Escape {i} {slashes}") for i in range(2)]
+    later = [lesson_trace("esc-a", f"c{i}", f"c-l{i}", f"short rule {i} for a") for i in range(2)]
+    async with sim_server(SimSettings(seed=1)) as llm:
+        cfg = engine_config(config, unique, llm.base_url, batch_size=2)
+        cfg = with_limits(cfg, max_message_bytes=350_000, bullet_chars=100_000)
+        updates = await learn_all(cfg, first + later)
+    result = audit(updates)
+    assert result.problems == [] and set(result.learned) == {t.trace_id for t in first + later}
+    v1, v2 = sorted(updates, key=lambda u: u.version)
+    assert isinstance(v1.stats.rejection, SizeRejection), v1.stats.rejection
+    assert v1.stats.rejection.would_be > 350_000
+    assert not any(s.bullets for s in v1.playbook.sections), "the oversized delta was not applied"
+    assert v2.stats.rejection is None and lessons_of(v2.playbook) == {"c-l0", "c-l1"}
+    assert max(update_bytes(u) for u in updates) <= 350_000
+
+
+@pytest.mark.anyio
+async def test_a_version_the_broker_refuses_as_too_large_is_rejected_not_retried(
+    config: Config, unique: str
+) -> None:
+    """An operator lowers the prompts topic's max.message.bytes below kafka.max_message_bytes
+    while the engine runs. The broker refuses the next large version (MESSAGE_TOO_LARGE): no
+    retry can succeed, so the window is published rejected for size and learning goes on
+    (it used to be retried like an outage until engine.broker_deadline_s, then a crash loop)."""
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    from combee_stream.kafka.topics import topic_config
+
+    first = [lesson_trace("ka", f"a{i}", f"a-l{i}", f"rule {i} for the agent") for i in range(2)]
+    big = [lesson_trace("ka", f"b{i}", f"b-l{i}", f"{'y' * 20_000} {i}") for i in range(2)]
+    later = [
+        lesson_trace("ka", f"c{i}", f"c-l{i}", f"quote sources verbatim, case {i}")
+        for i in range(2)
+    ]
+    async with sim_server(SimSettings(seed=1)) as llm:
+        cfg = engine_config(config, unique, llm.base_url, batch_size=2)
+        cfg = with_limits(cfg, max_message_bytes=1_000_000, bullet_chars=30_000)
+        cfg = msgspec.structs.replace(
+            cfg, engine=msgspec.structs.replace(cfg.engine, broker_deadline_s=10.0)
+        )
+        engine = Engine(cfg)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.run)
+            await engine.started.wait()
+            await produce(cfg, first)
+            await wait_until_learned(cfg, {"ka": 2})
+            admin = AIOKafkaAdminClient(bootstrap_servers=cfg.kafka.bootstrap_servers)
+            await admin.start()
+            try:
+                lowered = {"cleanup.policy": "compact", "max.message.bytes": "20000"}
+                await admin.alter_configs(
+                    [ConfigResource(ConfigResourceType.TOPIC, cfg.kafka.prompts_topic, lowered)]
+                )
+                with anyio.fail_after(30):
+                    while (  # noqa: ASYNC110 - the broker's state
+                        await topic_config(admin, cfg.kafka.prompts_topic, "max.message.bytes")
+                        != "20000"
+                    ):
+                        await anyio.sleep(0.1)
+            finally:
+                await admin.close()
+            await produce(cfg, big)
+            await wait_until_learned(cfg, {"ka": 4}, 60)
+            await produce(cfg, later)
+            updates = await wait_until_learned(cfg, {"ka": 6}, 60)
+            engine.stop()
+    result = audit(updates)
+    assert result.problems == [] and set(result.learned) == {
+        t.trace_id for t in first + big + later
+    }
+    v1, v2, v3 = sorted(updates, key=lambda u: u.version)
+    assert isinstance(v2.stats.rejection, SizeRejection), v2.stats.rejection
+    assert v2.stats.rejection.would_be > 20_000
+    assert lessons_of(v2.playbook) == lessons_of(v1.playbook) == {"a-l0", "a-l1"}
+    assert v3.stats.rejection is None and {"c-l0", "c-l1"} <= lessons_of(v3.playbook)
+    refused = engine.metrics.registry.get_sample_value(
+        "combee_broker_failures_total", {"op": "publish"}
+    )
+    assert not refused, "a refused record is not an outage to retry"
+
+
+@pytest.mark.anyio
+async def test_a_key_of_cjk_lessons_is_consolidated_at_the_byte_limit_and_keeps_learning() -> None:
+    """CJK text reaches kafka.max_message_bytes long before the token budget (3 bytes a
+    character, twice per version: bullets and prompt). Consolidation triggered on tokens only
+    let the key grow to the byte limit, and then every later window was rejected for size:
+    its lessons were never learned. Triggered on bytes too, the wordings of each lesson are
+    merged and every lesson of the stream gets in."""
+    import random as random_
+
+    from engine_support import sim_learner
+
+    from combee_stream.config import KafkaConfig, LearningConfig
+    from combee_stream.core.controller import FixedBatch
+    from combee_stream.core.pipeline import KeyPipeline, MemorySink, PipelineSettings, closed_inbox
+    from combee_stream.core.versions import KeyChain
+    from combee_stream.sim.markers import VARIANT, base_id, retained_ids
+
+    lessons, wordings, limit = 24, 20, 65_536
+    rng = random_.Random(5)
+    slots = sorted((j + rng.uniform(0, 3), j, n) for j in range(lessons) for n in range(wordings))
+    traces = [
+        Trace(
+            key="cjk",
+            trace_id=f"w-{i:05d}",
+            task=f"Case {i} of the queue",
+            feedback=Feedback(
+                passed=False,
+                text=marker_line(
+                    f"cjk-l{j:03d}{VARIANT}{n}", f"规则{j}（情形{n}）：" + "检查合同条款" * 40
+                ),
+            ),
+        )
+        for i, (_, j, n) in enumerate(slots)
+    ]
+    cfg = Config(
+        learning=LearningConfig(seed=0, max_bullet_chars=2_000),
+        kafka=KafkaConfig(max_message_bytes=limit),
+    )
+    items = [(t, Source(t.trace_id, 0, i)) for i, t in enumerate(traces)]
+    async with sim_learner(cfg) as learner:
+        sink = MemorySink()
+        pipeline = KeyPipeline(
+            KeyChain("cjk"), learner, FixedBatch(24), sink, closed_inbox(items),
+            PipelineSettings(pipelined=False, max_windows_in_flight=1),
+        )  # fmt: skip
+        await pipeline.run()
+    updates = sink.updates
+    final = updates[-1]
+    assert playbook_tokens_of(final) < cfg.learning.consolidate_at * cfg.learning.token_budget
+    assert any(u.stats.consolidated is not None for u in updates), "consolidated on bytes"
+    assert {base_id(i) for i in retained_ids(final.playbook)} == {
+        f"cjk-l{j:03d}" for j in range(lessons)
+    }, "every lesson of the stream was learned"
+    assert max(update_bytes(u) for u in updates) <= limit
+
+
+def playbook_tokens_of(update: PromptUpdate) -> int:
+    from combee_stream.core.playbook import playbook_tokens
+
+    return playbook_tokens(update.playbook)
+
+
 @pytest.mark.anyio
 async def test_a_stuck_key_pauses_its_own_partition_only(config: Config, unique: str) -> None:
     """Key slow-a (partition 2) has slow reflections and fills its partition's queue; key
@@ -253,12 +415,54 @@ async def test_topics_create_sets_the_limits_and_refuses_compact_delete(
 
 
 @pytest.mark.anyio
+async def test_topics_create_bounds_the_history_and_traces_topics_too(
+    config: Config, unique: str
+) -> None:
+    """A version goes to the history topic as well (the same update, in the same transaction)
+    and the ingest stage writes traces up to kafka.max_message_bytes: both topics get the
+    limit, the history topic must be compacted, and a topic that takes less is refused."""
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    from combee_stream.kafka.topics import TopicMismatchError, topic_config
+
+    cfg = engine_config(config, unique, "http://127.0.0.1:9/v1")
+    await ensure_topics(cfg.kafka)
+    compact_delete = engine_config(config, unique + "h", "http://127.0.0.1:9/v1")
+    small_traces = engine_config(config, unique + "t", "http://127.0.0.1:9/v1")
+    admin = AIOKafkaAdminClient(bootstrap_servers=cfg.kafka.bootstrap_servers)
+    await admin.start()
+    try:
+        limits = [
+            await topic_config(admin, name, "max.message.bytes")
+            for name in (cfg.kafka.history_topic, cfg.kafka.traces_topic)
+        ]
+        policy = await topic_config(admin, cfg.kafka.history_topic, "cleanup.policy")
+        history = {"cleanup.policy": "compact,delete", "retention.ms": "60000"}
+        small = {"max.message.bytes": str(cfg.kafka.max_message_bytes // 2)}
+        await admin.create_topics(
+            [
+                NewTopic(compact_delete.kafka.history_topic, 3, 1, topic_configs=history),
+                NewTopic(small_traces.kafka.traces_topic, 3, 1, topic_configs=small),
+            ]
+        )
+    finally:
+        await admin.close()
+    assert limits == [str(cfg.kafka.max_message_bytes)] * 2 and policy == "compact"
+    with pytest.raises(TopicMismatchError, match=r"history topic .* policy=compact,delete"):
+        await ensure_topics(compact_delete.kafka)
+    with pytest.raises(TopicMismatchError, match=r"traces topic .* at most 500000 bytes"):
+        await ensure_topics(small_traces.kafka)
+
+
+@pytest.mark.anyio
 async def test_a_paused_zombie_instance_cannot_fork_the_version_chain(
     config: Config, unique: str, tmp_path: Path
 ) -> None:
-    """Instance A is frozen (SIGSTOP) past its session timeout with windows in flight; B takes
-    its partitions over; A thaws and tries to publish. In the default (watermark) mode the
-    partition's transactional id fences A: no version number is ever written twice."""
+    """Instance A is frozen (SIGSTOP) past its session timeout with windows in flight (frozen
+    the moment a curator request of it arrives: the answer waits in its socket, so on thaw
+    the window is ready to publish before A hears of the rebalance); B takes its partitions
+    over; A thaws and tries to publish. In the default (watermark) mode the partition's
+    transactional id fences A: no version number is ever written twice."""
     traces = generate_traces(80, 2, 8, seed=31)
     async with sim_server(SimSettings(seed=31, latency=LatencyModel(base_s=0.4))) as llm:
         cfg = engine_config(config, unique, llm.base_url, batch_size=5, session_timeout_ms=3000)
@@ -296,12 +500,19 @@ async def test_a_paused_zombie_instance_cannot_fork_the_version_chain(
     assert result.problems == []
     assert set(result.learned) == {t.trace_id for t in traces}
     assert max(result.learned.values()) == 1, "a trace was learned twice"
+    # Not vacuous: the thawed zombie did try to publish a window it held, and was stopped
+    # (fenced by B's transactional id, or its partition already revoked), writing nothing.
+    events = [msgspec.json.decode(line) for line in (tmp_path / "a.log").read_text().splitlines()
+              if line.startswith("{")]  # fmt: skip
+    stopped = [e for e in events if e.get("event") == "partition revoked: window abandoned"]
+    assert stopped, "the zombie never tried to publish: the test proved nothing"
 
 
 @pytest.mark.anyio
 async def test_a_fork_is_reported_and_the_first_version_stands(config: Config, unique: str) -> None:
     from combee_stream.core.versions import seed_update
     from combee_stream.kafka.producer import make_producer, publish_update
+    from combee_stream.kafka.reader import index_partition
     from combee_stream.kafka.subscriber import PromptSubscriber
 
     cfg = engine_config(config, unique, "http://127.0.0.1:9/v1")
@@ -311,13 +522,19 @@ async def test_a_fork_is_reported_and_the_first_version_stands(config: Config, u
     producer = make_producer(cfg.kafka)
     await producer.start()
     try:
-        for update in (first, first, other):  # a retried send is no fork; the third one is
-            await publish_update(producer, cfg.kafka, update)
+        # A retried send is no fork; the third one is.
+        written = [await publish_update(producer, cfg.kafka, u) for u in (first, first, other)]
     finally:
         await producer.stop()
     async with PromptSubscriber(cfg.kafka, keys={"bot"}) as prompts:
         assert prompts.latest("bot") == first
         assert prompts.forks == [("bot", 0)]
+    # The restore's rule is the subscriber's (until compaction keeps only the last record):
+    # the index points at the first record of the version, and the fork is reported.
+    partition, offset = written[0]
+    newest, forks = await index_partition(cfg.kafka, partition)
+    assert newest["bot"].offset == offset and newest["bot"].version == 0
+    assert forks == [("bot", 0)]
     env = {**os.environ, **env_for(cfg)}
     shown = await anyio.run_process(
         [sys.executable, "-m", "combee_stream", "inspect", "bot"], env=env, check=False
@@ -435,6 +652,35 @@ async def test_a_lost_prompts_topic_is_never_silently_recreated(
     finally:
         await admin.close()
     assert cfg.kafka.prompts_topic not in names, "it was not recreated empty"
+
+
+def test_the_engines_own_repeated_lines_are_rate_limited_and_summed_up() -> None:
+    """Not only aiokafka's records: the engine's retry loops log one structlog line per attempt
+    ("publish failed, retrying"), which a lost topic turns into a flood. One memory of repeats
+    for both; a line's kind is its event, level and where (op, partition, key, topic), not its
+    attempt number or error text."""
+    from combee_stream.logs import RepeatProcessor, Repeats
+
+    now = [0.0]
+    gate = RepeatProcessor(Repeats(every_s=10.0), clock=lambda: now[0])
+
+    def line(event: str, level: str = "warning", **where: object) -> str | None:
+        try:
+            return str(gate(None, level, {"event": event, **where})["event"])
+        except structlog.DropEvent:
+            return None
+
+    passed = []
+    for attempt in range(50):  # one per 0.1 s, for 5 s, with changing details
+        now[0] = attempt * 0.1
+        passed.append(line("publish failed, retrying", op="publish", partition=2, attempt=attempt))
+    assert passed[0] == "publish failed, retrying" and passed[1:] == [None] * 49
+    assert line("publish failed, retrying", op="publish", partition=1) is not None, "elsewhere"
+    assert line("version published", "info", op="publish", partition=2) is not None, "info passes"
+    now[0] = 10.5
+    assert line("publish failed, retrying", op="publish", partition=2) == (
+        "publish failed, retrying (and 49 more like it in the last 10 s)"
+    )
 
 
 def free_port() -> int:
@@ -586,6 +832,7 @@ async def test_idle_keys_are_evicted_and_come_back_from_the_topic(
             series = [
                 s for family in engine.metrics.prompt_version.collect() for s in family.samples
             ]
+            workers = sum(len(part.workers) for part in engine._partitions.values())
             index = [i for part in engine._partitions.values() for i in part.index.values()]
             again = [lesson_trace(k, f"{k}-2", f"{k}-b", f"second rule of {k}") for k in keys[:5]]
             await produce(cfg, again)
@@ -595,11 +842,66 @@ async def test_idle_keys_are_evicted_and_come_back_from_the_topic(
             engine.stop()
     assert len(series) <= 11, "per-key series are bounded (and released on eviction)"
     assert len(index) == len(keys) and all(isinstance(i, KeyIndex) for i in index)
+    assert workers == 0, "an evicted key's finished pipeline leaves nothing behind"
     result = audit(updates)
     assert result.problems == [] and max(result.learned.values()) == 1
     for key in keys[:5]:  # restored from the topic: version 2 on version 1, both lessons
         assert result.final[key].version == 2
         assert lessons_of(result.final[key].playbook) == {f"{key}-a", f"{key}-b"}
+
+
+@pytest.mark.anyio
+async def test_an_undecodable_prompts_record_stops_the_restore_with_one_clear_line(
+    config: Config, unique: str, tmp_path: Path
+) -> None:
+    """A key whose newest record does not decode: restoring past it would resume the key from
+    its older version (or from nothing) and learn on. The engine stops, says where and what to
+    do, and publishes nothing."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from combee_stream.core.versions import seed_update
+    from combee_stream.kafka.producer import make_producer, publish_update
+    from combee_stream.kafka.reader import read_updates as read_topic_updates
+
+    traces = [lesson_trace("ka", f"t{i}", f"l{i}", f"rule {i} for the agent") for i in range(3)]
+    async with sim_server(SimSettings(seed=1)) as llm:
+        cfg = engine_config(config, unique, llm.base_url, batch_size=3)
+        await ensure_topics(cfg.kafka)
+        good = seed_update("ka", "You are a careful agent.", None)
+        producer = make_producer(cfg.kafka)
+        await producer.start()
+        try:
+            partition, _ = await publish_update(producer, cfg.kafka, good)
+            garbage = await producer.send_and_wait(
+                cfg.kafka.prompts_topic, value=b'{"key": "ka", "version": 1', key=b"ka"
+            )
+        finally:
+            await producer.stop()
+        await produce(cfg, traces)
+        log = tmp_path / "engine.log"
+        proc = spawn_engine(cfg, log)
+        try:
+            with anyio.fail_after(120):
+                while proc.poll() is None:  # noqa: ASYNC110 - another process
+                    await anyio.sleep(0.2)
+        finally:
+            kill(proc)
+        text = log.read_text()
+        updates = await read_topic_updates(cfg.kafka)
+        admin = AIOKafkaAdminClient(bootstrap_servers=cfg.kafka.bootstrap_servers)
+        await admin.start()
+        try:
+            committed = await admin.list_consumer_group_offsets(cfg.kafka.group_id)
+        finally:
+            await admin.close()
+    assert proc.returncode == 1, text[-2000:]
+    ours = [line for line in text.splitlines() if line.startswith("combee-stream:")]
+    assert len(ours) == 1, text[-2000:]
+    line = ours[0]
+    assert f"{cfg.kafka.prompts_topic!r} partition {partition} offset {garbage.offset}" in line
+    assert "(key 'ka')" in line and "prompts set" in line and "nothing was committed" in line
+    assert [u.version for u in updates] == [0], "nothing was learned from a guessed state"
+    assert [at.offset for at in committed.values() if at.offset >= 0] == []
 
 
 # A starting content policy (the README's): links, e-mail addresses, instructions to drop rules.

@@ -20,6 +20,7 @@ import msgspec
 from combee_stream.bench import (
     gate,
     ingest,
+    keys,
     latency,
     overhead,
     plots,
@@ -33,7 +34,7 @@ from combee_stream.config import Config
 from combee_stream.errors import UserError
 from combee_stream.logs import configure_logging
 
-SUITES = ("scaling", "saturation", "overhead", "latency", "ingest", "gate", "quality")
+SUITES = ("scaling", "saturation", "overhead", "latency", "ingest", "gate", "keys", "quality")
 
 
 def register(subparsers: Any) -> None:
@@ -47,7 +48,8 @@ def register(subparsers: Any) -> None:
             "throughput vs the endpoint's bound C/(L*calls per trace); engine vs a bare Kafka "
             "consumer, and peak memory under a backlog; trace-to-publish latency, pipelined vs "
             "synchronous windows; gate: the replay gate over a stream with poisoned traces "
-            "(time served worse than the best earlier version, its cost in calls and latency). "
+            "(time served worse than the best earlier version, its cost in calls and latency); "
+            "keys: memory and /metrics series against distinct keys seen (idle keys evicted). "
             "ingest (no LLM): the OpenTelemetry ingest stage vs a bare "
             "consumer of the spans topic, and its memory with many traces open. quality runs a "
             "REAL model (--local MODEL starts one here, or the config's LLM roles): held-out "
@@ -149,6 +151,9 @@ def run_suite(
     if suite == "gate":
         gr = anyio.run(gate.run_gate, config, gate.gate_settings(quick=quick, seed=seed))
         return Outcome(gr, gate.markdown(gr), "", lambda *_: [])
+    if suite == "keys":
+        kr = anyio.run(keys.run_keys, config, keys.keys_settings(quick=quick, seed=seed))
+        return Outcome(kr, keys.markdown(kr), "", lambda *_: [])
     if suite == "quality":
         assert args is not None
         qr = anyio.run(_quality, config, args, quick)

@@ -32,10 +32,13 @@ Decisions (Combee notes §8):
   structured reason; the window still records its traces and tags (a tags-only delta, or an
   empty one if even that does not fit), so every window yields exactly one new version and the
   traces are not learned twice.
-- **Size.** A version must fit the prompts topic (``kafka.max_message_bytes``): a result whose
-  update would encode larger (estimated from the playbook, which a PromptUpdate carries twice:
-  the bullets and the rendered prompt, plus ``UPDATE_RESERVE`` for the rest) falls back like a
-  budget rejection, with a ``SizeRejection``. So no window can block its key on a record the
+- **Size.** A version must fit the prompts and history topics (``kafka.max_message_bytes``):
+  the driver's ``measure`` gives the exact bytes of the version a result makes (its encoded
+  ``PromptUpdate``, held-out tasks and JSON escaping included, as a record batch:
+  :func:`~combee_stream.core.versions.update_bytes`). A candidate over it falls back like a
+  budget rejection, with a ``SizeRejection``, before the gate reviews it; whatever the fallbacks
+  and the gate made is measured again, and if it is over, the window becomes its smallest
+  version (:meth:`Learner.size_rejected`). So no window can block its key on a record the
   broker refuses.
 - **Gate.** A delta that fits goes to the publish gate (:mod:`combee_stream.core.gate`). A
   refused candidate falls back to provenance only (no operations, no tags: nothing of the
@@ -53,8 +56,8 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Sequence
-from typing import Final, Protocol, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
 
 import anyio
 import msgspec
@@ -82,7 +85,6 @@ from combee_stream.core.playbook import (
     apply_semantic,
     copy_playbook,
     playbook_tokens,
-    render,
 )
 from combee_stream.core.prompts import (
     Prompts,
@@ -120,7 +122,6 @@ from combee_stream.schemas import (
     Source,
     Trace,
     UpdateOp,
-    encode,
 )
 
 T = TypeVar("T")
@@ -218,16 +219,6 @@ def _window_rng(seed: int, key: str, version: int, sources: Sequence[Source]) ->
     return random.Random(int.from_bytes(hashlib.sha256(material.encode()).digest()[:8], "big"))
 
 
-# Room for what a PromptUpdate carries besides the playbook and its rendering (stats, the
-# window's trace ids, the watermark, field names).
-UPDATE_RESERVE: Final = 64 * 1024
-
-
-def update_size(playbook: Playbook) -> int:
-    """A PromptUpdate of ``playbook`` encodes to at most this many bytes."""
-    return len(encode(playbook)) + len(render(playbook).encode()) + UPDATE_RESERVE
-
-
 def required_roles(config: Config, strategy_name: str | None = None) -> list[Role | str]:
     """The LLM roles (and ``embeddings``) a learner with these settings calls."""
     spec = strategy(strategy_name or config.learning.strategy)
@@ -261,7 +252,7 @@ class Learner:
     ) -> None:
         self._llm = llm
         self.holdout = holdout
-        self._max_update_bytes = max_update_bytes
+        self.max_update_bytes = max_update_bytes  # what a version may take (None: unbounded)
         self._config = learning
         self._policy = compile_policy(learning.content_policy)
         self._embed = embed
@@ -475,11 +466,15 @@ class Learner:
         *,
         holdout: Holdout | None = None,
         held_out: Sequence[Source] = (),
+        measure: Callable[[WindowResult], int] | None = None,
     ) -> WindowResult:
         """Apply a proposal to ``onto`` — its own snapshot, or a newer version of the same key,
         in which case the delta is first rebased (:func:`~combee_stream.core.delta.rebase`).
         Budget rejection falls back to tags + provenance, then provenance only. ``holdout``:
-        the key's held-out tasks with the window's ``held_out`` traces already in them."""
+        the key's held-out tasks with the window's ``held_out`` traces already in them.
+        ``measure``: the bytes of the version a result makes (the driver's
+        :meth:`~combee_stream.core.versions.KeyChain.measure`), bounded by the learner's
+        ``max_update_bytes``; without it nothing bounds the size."""
         started = anyio.current_time()
         if onto.key != proposal.key:
             raise ValueError(f"proposal for key {proposal.key!r} committed to {onto.key!r}")
@@ -506,11 +501,37 @@ class Learner:
         if onto.version != delta.base_version:
             delta = rebase(delta, onto)
         result = await self._apply(onto, delta, proposal.tasks)
-        # Near the budget: the window's result is consolidated (its own near-duplicates and the
-        # playbook's); if even that does not fit, the playbook alone is, and the window applied
-        # onto it. One version either way; the gate reviews it whole.
+        limit = self.max_update_bytes if measure is not None else None
+
+        def built(
+            applied: ApplyResult,
+            applied_delta: Delta,
+            rejection: Rejection | None = None,
+            report: GateReport | None = None,
+        ) -> WindowResult:
+            return WindowResult(
+                playbook=applied.playbook, delta=applied_delta, proposed=proposal.delta,
+                applied=applied, failed=proposal.failed, reflections=proposal.reflections,
+                stats=stats, rejection=rejection, held_out=list(held_out), holdout=holdout,
+                report=report,
+            )  # fmt: skip
+
+        def size(applied: ApplyResult, applied_delta: Delta) -> int:
+            """The bytes of the version ``applied`` would make (0 when nothing bounds it)."""
+            if limit is None or measure is None or not applied.applied:
+                return 0
+            return measure(built(applied, applied_delta))
+
+        def fits(applied: ApplyResult) -> bool:
+            return playbook_tokens(applied.playbook) <= self._config.token_budget and (
+                limit is None or size(applied, delta) <= limit
+            )
+
+        # Near the budget (tokens or bytes): the window's result is consolidated (its own
+        # near-duplicates and the playbook's); if even that does not fit, the playbook alone
+        # is, and the window applied onto it. One version either way; the gate reviews it whole.
         base, consolidation = onto, None
-        if self._near_budget(onto, result):
+        if self._near_budget(onto, result, size(result, delta)):
             # (What fit the budget is what no budget gives: not applied, nor reviewed, twice.)
             full = (
                 result
@@ -518,8 +539,8 @@ class Learner:
                 else await self._apply(onto, delta, proposal.tasks, budget=None)
             )
             merged, consolidation = await self.consolidate(full.playbook, stats)
-            if consolidation is not None and playbook_tokens(merged) <= self._config.token_budget:
-                result = _narrowed(full, merged)
+            if consolidation is not None and fits(narrowed := _narrowed(full, merged)):
+                result = narrowed
             else:
                 base, consolidation = await self.consolidate(onto, stats)
                 if consolidation is not None:
@@ -543,11 +564,9 @@ class Learner:
         fallbacks: list[Delta] = []
         if not result.applied:
             fallbacks = [keep_only(True), keep_only(False)]
-        elif (
-            self._max_update_bytes is not None
-            and (size := update_size(result.playbook)) > self._max_update_bytes
-        ):
-            rejection = SizeRejection(limit=self._max_update_bytes, would_be=size)
+        elif limit is not None and (would_be := size(result, delta)) > limit:
+            # Measured before the gate: a candidate that cannot be published is not reviewed.
+            rejection = SizeRejection(limit=limit, would_be=would_be)
             fallbacks = [keep_only(True), keep_only(False)]
         else:
             verdict = await review(result.playbook)
@@ -587,26 +606,54 @@ class Learner:
                 applied_delta = keep_only(False)
         stats.consolidation = consolidation
         stats.delay_s += anyio.current_time() - started
-        return WindowResult(
-            playbook=result.playbook,
-            delta=applied_delta,
-            proposed=proposal.delta,
-            applied=result,
-            failed=proposal.failed,
-            reflections=proposal.reflections,
-            stats=stats,
-            rejection=rejection,
-            report=report,
-            held_out=list(held_out),
-            holdout=holdout,
-        )
+        out = built(result, applied_delta, rejection=rejection, report=report)
+        if limit is not None and measure is not None and (would_be := measure(out)) > limit:
+            # A fallback, the gate's regressions or the consolidation made it too large (a
+            # key near the limit): the exact bound holds for what is published, whatever made it.
+            return self.size_rejected(out, onto, would_be)
+        return out
 
-    def _near_budget(self, onto: Playbook, result: ApplyResult) -> bool:
+    def size_rejected(self, result: WindowResult, onto: Playbook, would_be: int) -> WindowResult:
+        """``result``'s window as the smallest version it can make: committed onto ``onto``
+        with its provenance only (no tags, no operations, no consolidation, the held-out
+        tasks ``onto``'s version had), rejected for size. Also what a driver publishes when
+        the broker refuses ``result``'s record (``would_be``: its size)."""
+        limit = self.max_update_bytes or would_be - 1
+        provenance = Delta(key=onto.key, sources=result.delta.sources, base_version=onto.version)
+        bumped = apply(onto, provenance, token_budget=None)
+        held = {s.trace_id for s in result.held_out}
+        holdout = result.holdout
+        if holdout is not None and held:  # the window's own held-out tasks are what grew it
+            holdout = Holdout(
+                tasks=[t for t in holdout.tasks if t.trace_id not in held],
+                regressions=[t for t in holdout.regressions if t.trace_id not in held],
+            )
+        stats = msgspec.structs.replace(result.stats, consolidation=None)
+        log.warning(
+            "version too large: window rejected for size",
+            key=onto.key,
+            limit=limit,
+            would_be=would_be,
+        )
+        return WindowResult(
+            playbook=bumped.playbook, delta=provenance, proposed=result.proposed, applied=bumped,
+            failed=result.failed, reflections=result.reflections, stats=stats,
+            rejection=SizeRejection(limit=limit, would_be=would_be), held_out=result.held_out,
+            holdout=holdout, report=result.report,
+        )  # fmt: skip
+
+    def _near_budget(self, onto: Playbook, result: ApplyResult, size: int) -> bool:
+        """Whether to consolidate: the playbook or the window's result is near the token
+        budget, or the version it makes (``size`` bytes) near ``kafka.max_message_bytes``: a
+        key of CJK lessons reaches the byte limit long before the token budget, and without
+        this every later window of it would be rejected for size."""
         share = self._config.consolidate_at
         if share <= 0:
             return False
         line = share * self._config.token_budget
         if isinstance(result.rejected, BudgetRejection):
+            return True
+        if self.max_update_bytes is not None and size >= share * self.max_update_bytes:
             return True
         return playbook_tokens(onto) >= line or (result.applied and result.tokens >= line)
 
@@ -763,7 +810,6 @@ def _narrowed(result: ApplyResult, playbook: Playbook) -> ApplyResult:
 
 __all__ = [
     "LLM",
-    "UPDATE_RESERVE",
     "FailedTrace",
     "Learner",
     "Proposal",
@@ -771,5 +817,4 @@ __all__ = [
     "WindowResult",
     "WindowStats",
     "required_roles",
-    "update_size",
 ]

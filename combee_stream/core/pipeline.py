@@ -44,7 +44,13 @@ from combee_stream.core.learner import (
     WindowStats,
 )
 from combee_stream.core.prompts import ReflectionRecord
-from combee_stream.core.versions import KeyChain, WindowInfo, revert_onto
+from combee_stream.core.versions import (
+    KeyChain,
+    UpdateTooLarge,
+    WindowInfo,
+    revert_onto,
+    update_bytes,
+)
 from combee_stream.logs import get_logger
 from combee_stream.schemas import HeldOutTask, Playbook, PromptUpdate, Source, Trace
 
@@ -363,7 +369,11 @@ class KeyPipeline:
         for attempt in range(1, self._cfg.attempts + 1):
             try:
                 result = await self._learner.commit(
-                    proposal, onto, holdout=holdout, held_out=sorted(window.held)
+                    proposal,
+                    onto,
+                    holdout=holdout,
+                    held_out=sorted(window.held),
+                    measure=lambda r: self.chain.measure(r, self._info(window, revert)),
                 )
                 break
             except WindowError as exc:
@@ -374,24 +384,45 @@ class KeyPipeline:
             failed = [FailedTrace(source=s, reason=f"commit failed: {error}") for s in sources]
             await self._park(window, failed, "curate")
             return
-        window.result = result
-        delay = anyio.current_time() - window.closed_at
-        info = WindowInfo(
-            batch_size=window.batch_size,
-            delay_s=delay,
-            reverted_to=revert[0] if revert is not None else None,
-        )
+        info = self._info(window, revert)
         update = self.chain.next_update(result, info)
+        limit, smallest, published = self._learner.max_update_bytes, False, None
+        while update is not None and published is None:
+            window.result = result
+            size = update_bytes(update)  # exact now; the learner measured with slack
+            if limit is None or size <= limit:
+                try:
+                    published = await self._sink.publish(self.chain, update, window)
+                    continue
+                except UpdateTooLarge as exc:  # the topic's limit is below kafka.max_message_bytes
+                    size = exc.size
+            if smallest:
+                # Not even the window's smallest version fits: its traces are parked
+                # (replayable once the limit is raised) and the key goes on.
+                reason = f"version too large: {size} bytes"
+                failed = [FailedTrace(source=s, reason=reason) for s in result.consumed]
+                await self._park(window, failed, "size")
+                return
+            result, smallest = self._learner.size_rejected(result, onto, size), True
+            update = self.chain.next_update(result, info)
         if update is None:
             return
-        if not await self._sink.publish(self.chain, update, window):
+        if not published:
             self._stopped = True
             log.info("window abandoned: the sink no longer takes versions", window=window.number)
             return
         self.chain.advance(update)
         if self._revert is revert:
             self._revert = None
-        self.policy.observe(len(window.items), max(1e-6, delay))
+        self.policy.observe(len(window.items), max(1e-6, info.delay_s))
+
+    @staticmethod
+    def _info(window: Window, revert: tuple[int, Playbook] | None) -> WindowInfo:
+        return WindowInfo(
+            batch_size=window.batch_size,
+            delay_s=anyio.current_time() - window.closed_at,
+            reverted_to=revert[0] if revert is not None else None,
+        )
 
     async def _park(self, window: Window, failed: Sequence[FailedTrace], stage: str) -> None:
         traces = {item.source: item.trace for item in window.items}

@@ -19,17 +19,26 @@ Decisions:
   has already seen (:meth:`KeyChain.seen`) is skipped: producers retry and agents re-send.
   The horizon of that check is bounded: the last ``horizon`` trace ids the driver handed to the
   key, plus the ids of the version it restored.
+- **Size.** :func:`update_bytes` is what publishing a version costs the broker: the larger of
+  its two record batches (the prompts record keyed ``KEY``, the history record keyed
+  ``KEY@VERSION``, the same encoded update in both), framing included. Every driver bounds a
+  version by it against ``kafka.max_message_bytes`` (the learner's size rejection, through
+  :meth:`KeyChain.measure`); a record the broker refuses all the same (a topic whose
+  ``max.message.bytes`` an operator lowered) is :class:`UpdateTooLarge`.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from typing import Final
 
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from msgspec import Struct
 
 from combee_stream.core.learner import WindowResult
 from combee_stream.core.playbook import copy_playbook, new_playbook, render
-from combee_stream.errors import DecodeError
+from combee_stream.errors import CombeeError, DecodeError
+from combee_stream.kafka.history import version_key
 from combee_stream.schemas import (
     Holdout,
     Playbook,
@@ -39,6 +48,34 @@ from combee_stream.schemas import (
     encode,
     utcnow,
 )
+
+# What may differ between a measured update and the one sent: the digits of delay_s (a float)
+# and of created_at (microseconds are left out when 0).
+MEASURE_SLACK: Final = 64
+
+
+def record_bytes(key: bytes, value: bytes | None) -> int:
+    """The size of a record batch holding one record (the unit ``max.message.bytes`` bounds):
+    aiokafka's upper bound of the v2 framing plus the key and value."""
+    return int(DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, []))
+
+
+def update_bytes(update: PromptUpdate) -> int:
+    """The largest record batch publishing ``update`` writes (prompts or history topic)."""
+    value = encode(update)
+    return max(
+        record_bytes(update.key.encode(), value),
+        record_bytes(version_key(update.key, update.version), value),
+    )
+
+
+class UpdateTooLarge(CombeeError):
+    """The broker refused a version's record as too large (MESSAGE_TOO_LARGE and the like):
+    no retry can succeed, so the driver publishes the window size-rejected instead."""
+
+    def __init__(self, key: str, version: int, size: int, error: str) -> None:
+        super().__init__(f"{key} v{version}: the broker refused {size} bytes: {error}")
+        self.size = size
 
 
 class WindowInfo(Struct, frozen=True, kw_only=True):
@@ -172,6 +209,12 @@ class KeyChain:
             holdout=result.holdout,
         )
 
+    def measure(self, result: WindowResult, window: WindowInfo) -> int:
+        """:func:`update_bytes` of the version :meth:`next_update` would make of ``result``
+        (0 for none), plus :data:`MEASURE_SLACK`: the learner's bound on a candidate."""
+        update = self.next_update(result, window)
+        return 0 if update is None else update_bytes(update) + MEASURE_SLACK
+
     def advance(self, update: PromptUpdate) -> None:
         """Record ``update`` as published: the chain's new head."""
         if update.key != self.key or update.version <= self.version:
@@ -235,4 +278,13 @@ def seed_update(key: str, text: str, current: PromptUpdate | None) -> PromptUpda
     )
 
 
-__all__ = ["KeyChain", "WindowInfo", "revert_onto", "seed_update"]
+__all__ = [
+    "MEASURE_SLACK",
+    "KeyChain",
+    "UpdateTooLarge",
+    "WindowInfo",
+    "record_bytes",
+    "revert_onto",
+    "seed_update",
+    "update_bytes",
+]

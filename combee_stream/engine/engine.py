@@ -47,8 +47,7 @@ from combee_stream.engine.release import Releaser
 from combee_stream.errors import EngineHalted, UserError
 from combee_stream.kafka.client import client_kwargs, start_client, stop_quietly
 from combee_stream.kafka.history import partition_of
-from combee_stream.kafka.reader import UpdateFetcher
-from combee_stream.kafka.subscriber import PromptSubscriber
+from combee_stream.kafka.reader import UpdateFetcher, index_partition
 from combee_stream.kafka.topics import ensure_topics
 from combee_stream.logs import get_logger
 from combee_stream.schemas import Playbook, PromptUpdate
@@ -126,6 +125,7 @@ class Engine:
             outage=lambda: self._llm.outage,
             fetch=self._fetch,
             observe=self._release.observe if self._release.enabled else None,
+            evicted=self._release.forget,
         )
         self._fetcher = UpdateFetcher(kafka, env)
         self._generation = 0
@@ -268,7 +268,7 @@ class Engine:
                 continue
             async with state.lock:  # waits for at most one publish attempt in progress
                 state.owned = False
-            for scope in state.workers:
+            for scope in list(state.workers):  # each removes itself once it has finished
                 scope.cancel()
         await self._commit(final=True, only=partitions)
         for p in partitions:
@@ -291,23 +291,23 @@ class Engine:
                 # aborts or waits out the transaction of any earlier owner (a zombie), so the
                 # read below sees every version that will ever be committed before ours.
                 await self._publisher.txn_producer(state.partition)
-                async with PromptSubscriber(
-                    self.config.kafka, partitions={state.partition}, env=self._env
-                ) as prompts:
-                    state.index = {
-                        key: KeyIndex(
-                            offset=prompts.offsets[key],
-                            version=update.version,
-                            watermark=update.watermark.get(state.partition, -1),
-                        )
-                        for key, update in prompts.snapshot().items()
-                    }
-                    if prompts.forks:
-                        log.error(
-                            "forked version chains on the prompts topic: the first published "
-                            "version of each is kept",
-                            forks=[f"{k} v{v}" for k, v in prompts.forks],
-                        )
+                # Streamed: a few numbers per key are kept, never every key's update (a key's
+                # update is read back when it becomes active). An undecodable record halts.
+                newest, forks = await index_partition(self.config.kafka, state.partition, self._env)
+                state.index = {
+                    key: KeyIndex(
+                        offset=head.offset,
+                        version=head.version,
+                        watermark=head.watermark.get(state.partition, -1),
+                    )
+                    for key, head in newest.items()
+                }
+                if forks:
+                    log.error(
+                        "forked version chains on the prompts topic: the first published "
+                        "version of each is kept",
+                        forks=[f"{k} v{v}" for k, v in forks],
+                    )
 
             # Retried while owned; past the deadline the engine halts. Never resumed unrestored.
             if not await self._publisher.persist("restore", state, restore):

@@ -87,7 +87,9 @@ class Intake:
         outage: Callable[[], bool] = lambda: False,
         fetch: Callable[[int, KeyIndex, str], Awaitable[PromptUpdate | None]] | None = None,
         observe: Callable[[Trace], None] | None = None,
+        evicted: Callable[[str], None] = lambda key: None,
     ) -> None:
+        self._evicted = evicted  # told of each idle key evicted (the releaser forgets it)
         self._fetch = fetch
         self._observe = observe  # every new trace of a key, before it is learned (live scores)
         self._swept_at = 0.0
@@ -150,6 +152,7 @@ class Intake:
                 entry.inbox.close()  # the pipeline finishes: nothing is open or in flight
                 del self.keys[key]
                 self._metrics.keys.release(key)
+                self._evicted(key)
                 log.info("idle key evicted", key=key, version=entry.chain.version)
 
     def resume(self, partition: int) -> None:
@@ -262,7 +265,12 @@ class Intake:
     async def _run_pipeline(self, pipeline: KeyPipeline, part: PartitionState) -> None:
         with anyio.CancelScope() as scope:
             part.workers.append(scope)
-            await pipeline.run()
+            try:
+                await pipeline.run()
+            finally:
+                # Done (evicted, drained or cancelled): a kept scope would pin the finished
+                # task, one per key that ever passed through the partition.
+                part.workers.remove(scope)
 
 
 __all__ = ["MAX_POLL_RECORDS", "Intake", "KeyEntry", "pipeline_settings"]

@@ -13,6 +13,10 @@ write (and the restorer's read) goes through:
   :class:`~combee_stream.errors.BrokerUnavailableError`, which stops the engine with a non-zero
   exit. It never ends by acting as if the write had happened: an offset is marked done only
   after its version is published (or its dead letter written).
+- a record the broker refuses as too large (its topic's ``max.message.bytes`` is below it: an
+  operator lowered it) is not retried, since no retry can succeed: a version raises
+  :class:`~combee_stream.core.versions.UpdateTooLarge` (the key pipeline publishes the window
+  rejected for size instead), a dead letter is written without its value.
 """
 
 from __future__ import annotations
@@ -23,15 +27,22 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
+import msgspec
 from aiokafka import AIOKafkaProducer, TopicPartition
-from aiokafka.errors import KafkaError, ProducerFenced
+from aiokafka.errors import (
+    KafkaError,
+    MessageSizeTooLargeError,
+    ProducerFenced,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+)
 
 from combee_stream.config import Config
 from combee_stream.core.learner import FailedTrace
 from combee_stream.core.llm import LLMClient
 from combee_stream.core.pipeline import Window
 from combee_stream.core.playbook import playbook_tokens
-from combee_stream.core.versions import KeyChain
+from combee_stream.core.versions import KeyChain, UpdateTooLarge, update_bytes
 from combee_stream.engine.metrics import EngineMetrics
 from combee_stream.engine.partition import KeyIndex, Partitions, PartitionState
 from combee_stream.errors import BrokerUnavailableError
@@ -46,6 +57,17 @@ log = get_logger(__name__)
 
 # While the broker is unreachable: 0.2 s, 0.4 s, ... capped at 5 s (with full jitter).
 BROKER_RETRY = RetryPolicy(base_s=0.2, max_s=5.0)
+
+# The broker (or the client, past max_request_size) refuses the record for its size.
+TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError, RecordTooLargeError)
+
+
+class _Refused(Exception):
+    """persist's attempt failed with a TOO_LARGE error: retrying cannot help."""
+
+    def __init__(self, error: KafkaError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class Publisher:
@@ -118,6 +140,8 @@ class Publisher:
                         if outage.since is not None:
                             log.info("kafka reachable again", op=op, partition=part.partition)
                         return True
+                    if isinstance(error, TOO_LARGE):
+                        raise _Refused(error)
                 attempt += 1
                 outage.failed(str(error))
                 delay = BROKER_RETRY.delay(attempt, self._rng)
@@ -177,7 +201,26 @@ class Publisher:
         async def send() -> None:
             await self._send_update(part, update, learned)
 
-        if not await self.persist("publish", part, send, locked=True):
+        try:
+            persisted = await self.persist("publish", part, send, locked=True)
+        except _Refused as refused:
+            # The failed batch used up a sequence number: the producer's next send would be
+            # out of order for good. A new one (a new epoch of the same id) starts clean.
+            producer = self._txn_producers.pop(part.partition, None)
+            if producer is not None:
+                await stop_quietly(producer)
+            size = update_bytes(update)
+            log.error(
+                "version refused by the broker as too large: the window is rejected for size "
+                "(raise max.message.bytes of the prompts and history topics to "
+                "kafka.max_message_bytes: `combee-stream topics create` checks them)",
+                key=chain.key,
+                version=update.version,
+                bytes=size,
+                error=str(refused),
+            )
+            raise UpdateTooLarge(chain.key, update.version, size, str(refused)) from refused
+        if not persisted:
             log.info("partition revoked: window abandoned", key=chain.key, window=window.number)
             return False
         self._observe(update, window)
@@ -202,7 +245,7 @@ class Publisher:
                 key=chain.key.encode(),
                 value=encode(trace),
             )
-            if not await self.dead_letter(part, letter):
+            if not await self.dead_letter(part, letter.bounded(self._config.kafka)):
                 return
             chain.forget(trace.trace_id)  # parked, not learned: `dlq replay` re-sends it
 
@@ -212,7 +255,19 @@ class Publisher:
         async def send() -> None:
             await send_dead_letter(self._producer, self._config.kafka.dlq_topic, letter)
 
-        if not await self.persist("dlq", part, send):
+        try:
+            written = await self.persist("dlq", part, send)
+        except _Refused as refused:
+            # The DLQ topic takes less than kafka.max_message_bytes: the letter without its
+            # value (the headers still say where the original record is).
+            letter = msgspec.structs.replace(
+                letter, value=None, reason=f"{letter.reason} (value refused: {refused})"
+            )
+            await stop_quietly(self._producer)  # its sequence is broken (as in publish)
+            self._producer = make_producer(self._config.kafka, self._env)
+            await self.start()
+            written = await self.persist("dlq", part, send)
+        if not written:
             return False
         self._metrics.dlq.labels(letter.stage).inc()
         part.offsets.done(letter.offset)
@@ -260,7 +315,7 @@ class Publisher:
                 sent = await send_update(producer, kafka, update, part.partition)
             for source in learned:
                 part.offsets.done(source.offset)
-            self._index(part, update, (await sent).offset)
+            self._index(part, update, sent.offset)
             return
         for source in learned:
             part.offsets.done(source.offset)
@@ -278,7 +333,7 @@ class Publisher:
                 part.offsets.read(source.offset)
             raise
         part.committed = max(part.committed, commit_at)
-        self._index(part, update, (await sent).offset)
+        self._index(part, update, sent.offset)
 
     @staticmethod
     def _index(part: PartitionState, update: PromptUpdate, offset: int) -> None:

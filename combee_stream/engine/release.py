@@ -203,6 +203,10 @@ class Releaser:
             state.newest = max(state.newest, update.version)
             self._offer((update.key, update))
 
+    def forget(self, key: str) -> None:
+        """``key`` was evicted (idle): its tallies go; its labels are read again if it returns."""
+        self._keys.pop(key, None)
+
     def drop_partitions(self, partitions: Collection[int]) -> None:
         """Their keys left this instance (revoked): their next owner counts afresh."""
         count = self._config.kafka.partitions

@@ -277,12 +277,7 @@ class IngestStage:
                     # A record the broker would refuse would stop the stage for good: the
                     # trace is a dead letter instead (its mark is not written: nothing to skip).
                     item = items[n] = _oversized(trace.trace_id, trace.key, value, limit)
-                letter = item if isinstance(item, DeadLetter) else _letter(item)
-                if letter.value is not None and len(letter.value) > limit // 2:
-                    cut = letter.value[: limit // 2]
-                    letter = msgspec.structs.replace(
-                        letter, value=cut, reason=f"{letter.reason} (value cut to {len(cut)} bytes)"
-                    )
+                letter = (item if isinstance(item, DeadLetter) else _letter(item)).bounded(kafka)
                 await producer.send(
                     kafka.dlq_topic, value=letter.value, key=letter.key, headers=letter.headers()
                 )

@@ -65,7 +65,7 @@ def register(sub: Any) -> None:
     replay.add_argument(
         "--stage",
         action="append",
-        choices=["reflect", "curate", "decode"],
+        choices=["reflect", "curate", "decode", "size"],
         help="stages to replay (repeatable; default: reflect and curate)",
     )
     replay.add_argument("--key", default=None, help="only this key's traces")

@@ -34,7 +34,7 @@ class DeadLetter(msgspec.Struct, frozen=True):
     """Why and where a record failed; becomes a DLQ record with the original key and value."""
 
     reason: str
-    stage: str  # "decode" | "reflect" | "curate"
+    stage: str  # "decode" | "reflect" | "curate" | "size" (its version could not be published)
     topic: str
     partition: int
     offset: int
@@ -52,6 +52,17 @@ class DeadLetter(msgspec.Struct, frozen=True):
             key=record.key,
             value=record.value,
         )
+
+    def bounded(self, cfg: KafkaConfig) -> DeadLetter:
+        """This letter with its value cut to half of ``kafka.max_message_bytes`` (the key, the
+        headers and the framing fit in the other half), the cut said in its reason: the one
+        bound of every dead letter, so writing one never fails for its size."""
+        limit = cfg.max_message_bytes // 2
+        if self.value is None or len(self.value) <= limit:
+            return self
+        cut = self.value[:limit]
+        reason = f"{self.reason} (value cut to {len(cut)} bytes)"
+        return msgspec.structs.replace(self, value=cut, reason=reason)
 
     def headers(self) -> list[tuple[str, bytes]]:
         return [

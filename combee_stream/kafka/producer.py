@@ -79,26 +79,30 @@ class TraceProducer:
 async def send_update(
     producer: AIOKafkaProducer, cfg: KafkaConfig, update: PromptUpdate, partition: int | None = None
 ) -> Any:
-    """Queue one prompt version: its prompts-topic record, keyed by its prompt key, and its
+    """Send one prompt version: its prompts-topic record, keyed by its prompt key, and its
     history records in the same partition (``partition``, or the one the partitioner chose).
-    Returns the prompts record's delivery future; in a transaction the two are atomic."""
+    Returns the prompts record's metadata once the broker has every record. In a transaction
+    the records are atomic: waiting for each inside it means a refused one (too large for its
+    topic) aborts the transaction instead of committing the others."""
     sent = await producer.send(
         cfg.prompts_topic, value=encode(update), key=update.key.encode(), partition=partition
     )
     if partition is None:
         partition = (await sent).partition
-    for record_key, value in history_records(update, cfg.history_versions):
+    history = [
         await producer.send(cfg.history_topic, value=value, key=record_key, partition=partition)
-    return sent
+        for record_key, value in history_records(update, cfg.history_versions)
+    ]
+    for future in history:
+        await future
+    return await sent
 
 
 async def publish_update(
     producer: AIOKafkaProducer, cfg: KafkaConfig, update: PromptUpdate
 ) -> tuple[int, int]:
     """Publish one prompt version (:func:`send_update`) and wait until the broker has it all."""
-    sent = await send_update(producer, cfg, update)
-    await producer.flush()
-    meta = await sent
+    meta = await send_update(producer, cfg, update)
     return meta.partition, meta.offset
 
 

@@ -5,17 +5,19 @@ the benchmarks and the tests.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from typing import Any
 
 import anyio
+import msgspec
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from combee_stream.config import KafkaConfig
-from combee_stream.errors import DecodeError, UserError
+from combee_stream.errors import DecodeError, EngineHalted, UserError
 from combee_stream.kafka.client import client_kwargs, partitions_of, start_client, stop_quietly
 from combee_stream.logs import get_logger
-from combee_stream.schemas import PromptUpdate, decode
+from combee_stream.schemas import PromptUpdate, decode, encode
 
 log = get_logger(__name__)
 
@@ -121,6 +123,83 @@ async def read_updates(
     return updates
 
 
+class UndecodableStateError(EngineHalted):
+    """A prompts-topic record the engine cannot decode: restoring past it could resume a key
+    from an older version (or none), so the engine stops instead."""
+
+
+class Newest(msgspec.Struct, frozen=True):
+    """What a restore keeps of a key's newest version: where it is and what routing needs,
+    plus a digest of its content (to tell a fork from a retried send)."""
+
+    offset: int
+    version: int
+    watermark: dict[int, int]
+    digest: bytes
+
+
+def content_digest(update: PromptUpdate) -> bytes:
+    """The part of a version two records of it must share to be the same version (a retried
+    send); two that differ here are a fork. The one comparison of the subscriber, the
+    restore and ``inspect``."""
+    parts = [update.playbook, update.stats.trace_ids, update.parent_version]
+    return hashlib.blake2b(encode(parts), digest_size=16).digest()
+
+
+async def index_partition(
+    cfg: KafkaConfig, partition: int, env: Mapping[str, str] | None = None
+) -> tuple[dict[str, Newest], list[tuple[str, int]]]:
+    """The newest version of every key in one partition of the prompts topic, and the forks
+    seen ((key, version): a second, different record of a version; the first stands). Records
+    are decoded one at a time and only :class:`Newest` is kept per key, so the restore's
+    memory is a few numbers per key whatever the playbooks weigh (a key's update is read back
+    when it becomes active). Raises :class:`UndecodableStateError` on a record that does not
+    decode: nothing of the partition may be resumed on a guess."""
+    consumer = reading_consumer(cfg, env)
+    await start_client(consumer, cfg)
+    newest: dict[str, Newest] = {}
+    forks: list[tuple[str, int]] = []
+    try:
+        try:
+            tps = await assign_from_start(consumer, cfg.prompts_topic, [partition])
+        except UserError as exc:  # the topic was deleted under a running engine
+            raise EngineHalted(
+                f"cannot restore partition {partition}: {exc} (the engine's state is gone: "
+                "`combee-stream run` says how to recover)"
+            ) from exc
+        async for batch in until_end(consumer, tps):
+            for record in batch:
+                key = record.key.decode(errors="replace") if record.key else ""
+                try:
+                    update = decode_update(record)
+                except DecodeError as exc:
+                    raise UndecodableStateError(
+                        f"undecodable record on {cfg.prompts_topic!r} partition {partition} "
+                        f"offset {record.offset} (key {key!r}): {exc}. Restoring past it could "
+                        "resume the key from an older version: nothing was committed. Fix it by "
+                        f"publishing a valid version of {key!r} (`combee-stream prompts set "
+                        f"{key} FILE`, which writes after it), then run again"
+                    ) from exc
+                if update is None:  # tombstone: the key was deleted
+                    newest.pop(key, None)
+                    continue
+                digest = content_digest(update)
+                current = newest.get(update.key)
+                if current is not None and update.version <= current.version:
+                    if update.version == current.version and digest != current.digest:
+                        forks.append((update.key, update.version))
+                    continue
+                newest[update.key] = Newest(
+                    offset=record.offset,
+                    version=update.version,
+                    watermark=update.watermark,
+                    digest=digest,
+                )
+    finally:
+        await consumer.stop()
+    return newest, forks
+
+
 class UpdateFetcher:
     """Reads a key's newest update back from the prompts topic at its known offset (the
     engine's index), so an idle key's playbook need not stay in memory. One consumer, one read
@@ -164,9 +243,13 @@ class UpdateFetcher:
 
 
 __all__ = [
+    "Newest",
+    "UndecodableStateError",
     "UpdateFetcher",
     "assign_from_start",
+    "content_digest",
     "decode_update",
+    "index_partition",
     "read_to_end",
     "read_updates",
     "reading_consumer",

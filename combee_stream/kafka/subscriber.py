@@ -37,6 +37,7 @@ from combee_stream.kafka.client import partitions_of, start_client
 from combee_stream.kafka.history import KeyHistory, parse, partition_of, resolve
 from combee_stream.kafka.reader import (
     assign_from_start,
+    content_digest,
     decode_update,
     reading_consumer,
     until_end,
@@ -227,11 +228,7 @@ class PromptSubscriber:
 def _differs(a: PromptUpdate, b: PromptUpdate) -> bool:
     """Two records of one version that are not the same version (a retried send re-writes the
     same update: not a fork)."""
-    return (a.playbook, a.stats.trace_ids, a.parent_version) != (
-        b.playbook,
-        b.stats.trace_ids,
-        b.parent_version,
-    )
+    return content_digest(a) != content_digest(b)
 
 
 __all__ = ["PromptSubscriber"]

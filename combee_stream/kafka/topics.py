@@ -8,7 +8,9 @@ consumer group rebalances. The prompts topic must be compacted: it is the engine
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
+from typing import Final
 
 import anyio
 import msgspec
@@ -20,6 +22,7 @@ from combee_stream.config import IngestConfig, KafkaConfig
 from combee_stream.errors import UserError
 from combee_stream.kafka.client import client_kwargs, start_client
 from combee_stream.logs import get_logger
+from combee_stream.retry import RetryPolicy
 
 log = get_logger(__name__)
 
@@ -41,8 +44,10 @@ def topic_specs(cfg: KafkaConfig) -> list[TopicSpec]:
         **cfg.prompts_topic_configs,
     }
     dlq_configs = {"retention.ms": str(cfg.dlq_retention_ms)}
+    # The ingest stage writes traces up to kafka.max_message_bytes (and cuts dead letters).
+    traces_configs = {"max.message.bytes": str(cfg.max_message_bytes)}
     return [
-        TopicSpec(cfg.traces_topic, cfg.partitions, {}),
+        TopicSpec(cfg.traces_topic, cfg.partitions, traces_configs),
         TopicSpec(cfg.prompts_topic, cfg.partitions, prompts_configs),
         # Versions, labels and label moves (kafka/history.py): compacted like the prompts.
         TopicSpec(cfg.history_topic, cfg.partitions, prompts_configs),
@@ -74,15 +79,34 @@ async def _wait_visible(
 
 async def topic_config(admin: AIOKafkaAdminClient, name: str, key: str) -> str | None:
     """One config value of a topic as the broker has it (its default when not set)."""
-    [response] = await admin.describe_configs(
-        [ConfigResource(ConfigResourceType.TOPIC, name, {key: None})]
-    )
-    for resource in response.to_object()["resources"]:
-        for entry in resource["config_entries"]:
+    return await _config_value(admin, ConfigResource(ConfigResourceType.TOPIC, name, {key: None}))
+
+
+async def broker_config(admin: AIOKafkaAdminClient, key: str) -> str | None:
+    """One config value of a broker of the cluster (None when it cannot be read: an ACL)."""
+    try:
+        cluster = await admin.describe_cluster()
+        broker = str(cluster["brokers"][0]["node_id"])
+        resource = ConfigResource(ConfigResourceType.BROKER, broker, {key: None})
+        return await _config_value(admin, resource)
+    except (KafkaError, IndexError, KeyError):
+        return None
+
+
+async def _config_value(admin: AIOKafkaAdminClient, resource: ConfigResource) -> str | None:
+    [response] = await admin.describe_configs([resource])
+    [key] = resource.configs
+    for found in response.to_object()["resources"]:
+        for entry in found["config_entries"]:
             if entry["config_names"] == key:
                 value = entry["config_value"]
                 return None if value is None else str(value)
     return None
+
+
+# Reading the group's progress before a prompts topic is created: about 15 s of retries.
+_CHECK_RETRY: Final = RetryPolicy(base_s=0.5, max_s=5.0)
+_CHECK_ATTEMPTS: Final = 6
 
 
 class StateLostError(UserError):
@@ -92,11 +116,24 @@ class StateLostError(UserError):
 async def _refuse_lost_state(admin: AIOKafkaAdminClient, cfg: KafkaConfig) -> None:
     """A missing prompts topic next to committed progress on the traces topic means the
     engine's state was lost (the topic was deleted): recreating it empty would restart every
-    key at version 1, with no warning, and skip the traces already committed."""
-    try:
-        offsets = await admin.list_consumer_group_offsets(cfg.group_id)
-    except KafkaError:
-        return  # no group, or no coordinator yet: nothing was committed
+    key at version 1, with no warning, and skip the traces already committed. Fails closed:
+    when the group's progress cannot be read (retried with the one retry policy), nothing is
+    created."""
+    rng = random.Random()
+    for attempt in range(1, _CHECK_ATTEMPTS + 1):
+        try:
+            offsets = await admin.list_consumer_group_offsets(cfg.group_id)
+            break
+        except KafkaError as exc:  # no coordinator yet, an ACL, the broker going away
+            if attempt == _CHECK_ATTEMPTS:
+                raise StateLostError(
+                    f"the prompts topic {cfg.prompts_topic!r} does not exist and the progress "
+                    f"of consumer group {cfg.group_id!r} on {cfg.traces_topic!r} could not be "
+                    f"read ({exc!r}, {attempt} attempts): refusing to create the topic, since "
+                    "its state may have been lost. Check the broker and the group's Describe "
+                    "ACL, then run again"
+                ) from exc
+            await anyio.sleep(_CHECK_RETRY.delay(attempt, rng))
     committed = sorted(
         tp.partition
         for tp, at in offsets.items()
@@ -118,9 +155,11 @@ async def _refuse_lost_state(admin: AIOKafkaAdminClient, cfg: KafkaConfig) -> No
 async def ensure_topics(cfg: KafkaConfig, env: Mapping[str, str] | None = None) -> dict[str, str]:
     """Create missing topics, verify existing ones. Returns {topic: "created" | "exists"}.
 
-    Idempotent. Raises TopicMismatchError when existing topics break co-partitioning or the
-    prompts topic is not compacted, and StateLostError instead of recreating a lost prompts
-    topic under a consumer group that has already made progress.
+    Idempotent. Raises TopicMismatchError when existing topics break co-partitioning, the
+    prompts or history topic is not compacted, or the prompts, history or traces topic takes
+    less than ``kafka.max_message_bytes``; and StateLostError instead of recreating a lost
+    prompts topic under a consumer group that has (or may have) made progress. Warns when the
+    DLQ's retention differs from ``kafka.dlq_retention_ms`` or the broker auto-creates topics.
     """
     specs = topic_specs(cfg)
     admin = AIOKafkaAdminClient(**client_kwargs(cfg, env))
@@ -152,21 +191,44 @@ async def ensure_topics(cfg: KafkaConfig, env: Mapping[str, str] | None = None) 
                 f"{cfg.partitions}: set kafka.partitions = {traces} (partitions cannot shrink, "
                 "and growing them moves keys between partitions)"
             )
-        policy = await topic_config(admin, cfg.prompts_topic, "cleanup.policy") or "delete"
-        if policy != "compact":
-            # compact,delete would drop a key's newest version after retention.ms: the engine
-            # would then restart the key from nothing.
-            raise TopicMismatchError(
-                f"prompts topic {cfg.prompts_topic!r} has cleanup.policy={policy}; it must be "
-                "compact, and only compact (it holds the newest prompt version of every key, "
-                "forever)"
+        for name, role in ((cfg.prompts_topic, "prompts"), (cfg.history_topic, "history")):
+            policy = await topic_config(admin, name, "cleanup.policy") or "delete"
+            if policy != "compact":
+                # compact,delete would drop a key's newest version (or its history) after
+                # retention.ms: the engine would then restart the key from nothing.
+                raise TopicMismatchError(
+                    f"{role} topic {name!r} has cleanup.policy={policy}; it must be compact, "
+                    "and only compact (it holds prompt versions of every key, forever)"
+                )
+        # A version goes to the prompts and the history topic (the same update in one
+        # transaction), and the ingest stage writes traces up to the same bound.
+        for name, role in (
+            (cfg.prompts_topic, "prompts"),
+            (cfg.history_topic, "history"),
+            (cfg.traces_topic, "traces"),
+        ):
+            limit = await topic_config(admin, name, "max.message.bytes")
+            if limit is not None and int(limit) < cfg.max_message_bytes:
+                raise TopicMismatchError(
+                    f"{role} topic {name!r} takes records of at most {limit} bytes but "
+                    f"kafka.max_message_bytes = {cfg.max_message_bytes}: lower the setting, or "
+                    "raise the topic's max.message.bytes"
+                )
+        retention = await topic_config(admin, cfg.dlq_topic, "retention.ms")
+        if retention is not None and int(retention) != cfg.dlq_retention_ms:
+            # Not fatal (an operator may keep dead letters longer on purpose), but a shorter
+            # retention deletes parked traces before anyone replays them.
+            log.warning(
+                "the DLQ topic's retention differs from kafka.dlq_retention_ms (not changed)",
+                topic=cfg.dlq_topic,
+                retention_ms=int(retention),
+                configured_ms=cfg.dlq_retention_ms,
             )
-        limit = await topic_config(admin, cfg.prompts_topic, "max.message.bytes")
-        if limit is not None and int(limit) < cfg.max_message_bytes:
-            raise TopicMismatchError(
-                f"prompts topic {cfg.prompts_topic!r} takes records of at most {limit} bytes "
-                f"but kafka.max_message_bytes = {cfg.max_message_bytes}: lower the setting, or "
-                f"raise the topic's max.message.bytes"
+        if await broker_config(admin, "auto.create.topics.enable") == "true":
+            log.warning(
+                "the broker has auto.create.topics.enable=true: a deleted prompts topic can be "
+                "recreated empty by any client's metadata request, behind the engine's check of "
+                "lost state; set it to false (the project's broker and compose file do)"
             )
         return result
     finally:
@@ -234,6 +296,7 @@ __all__ = [
     "StateLostError",
     "TopicMismatchError",
     "TopicSpec",
+    "broker_config",
     "ensure_ingest_topics",
     "ensure_topics",
     "ingest_topic_specs",
