@@ -12,9 +12,11 @@ CombeeError
 │   └── SchemaVersionError     a record names a schema version this build does not know
 ├── LLMCallError               an LLM call failed for good (core.llm)
 ├── WindowError                a window could not be reduced (core.learner)
+├── UpdateTooLarge             the broker refused a version as too large (core.versions)
 ├── CalculatorError            the example agent's calculator refused an expression (agent)
 └── EngineHalted               the engine stopped itself; the CLI prints it, exit code 1
-    └── BrokerUnavailableError the broker could not be written or read past the deadline
+    ├── BrokerUnavailableError the broker could not be written or read past the deadline
+    └── UndecodableStateError  a prompts-topic record cannot be decoded at restore (kafka.reader)
 ```
 
 The subclasses live beside the code that raises them and are re-exported where the public API
