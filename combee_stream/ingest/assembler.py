@@ -207,6 +207,13 @@ class Assembler:
 
     # ------------------------------------------------------------------ input
 
+    def skip(self, ref: Ref) -> None:
+        """A message that feeds no trace (the stage dead-letters it as it is: undecodable,
+        oversized, a tombstone): done at once, so its offset is committed in the transaction
+        that holds its dead letter."""
+        self._read(ref)
+        self._settle_if_free(ref)
+
     def _read(self, ref: Ref) -> None:
         topic, partition, offset = ref
         offsets = self._offsets.get((topic, partition))

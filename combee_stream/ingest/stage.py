@@ -226,8 +226,10 @@ class IngestStage:
         value: bytes | None = record.value
         self.metrics.records_in.labels(record.topic).inc()
         if value is None:
+            assembler.skip(ref)  # done with its dead letter (one transaction)
             return [DeadLetter.of_record(record, "record has no value (tombstone)", STAGE)]
         if len(value) > kafka.max_message_bytes:
+            assembler.skip(ref)
             letter = DeadLetter.of_record(
                 record,
                 f"oversized: {len(value)} bytes > kafka.max_message_bytes = "
@@ -244,6 +246,7 @@ class IngestStage:
             )
             telemetry = decode_telemetry(value, s.encoding, signal)
         except DecodeError as exc:
+            assembler.skip(ref)
             return [DeadLetter.of_record(record, exc.reason, STAGE)]
         self.metrics.spans_in.inc(len(telemetry.spans))
         return list(assembler.add_telemetry(telemetry, ref, now, record.timestamp / 1000))
