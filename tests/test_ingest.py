@@ -290,6 +290,57 @@ async def test_dead_lettered_input_is_committed_and_never_dead_lettered_again(
     assert any("tombstone" in r for r in reasons), reasons
 
 
+def letter_kinds(letters: Sequence[Any], trace_id: str) -> list[str]:
+    """The rejection kinds of the dead letters that name ``trace_id``, in order."""
+    reasons = [dict(r.headers)[H_ERROR].decode() for r in letters]
+    return [r.split(":", 1)[0] for r in reasons if trace_id in r]
+
+
+@pytest.mark.anyio
+async def test_a_rejection_survives_a_restart_its_input_read_again_and_its_late_root(
+    config: Config, unique: str
+) -> None:
+    """Trace X has no root span and is dead-lettered (no_root) while the message holding its
+    spans is still held by trace Y (complete, waiting for its feedback). After a restart that
+    message is read again: X is not dead-lettered twice, and its root, arriving now, is late
+    (never written as a trace of one span)."""
+    cfg = ingest_config(
+        engine_config(config, unique, "http://127.0.0.1:9"),
+        unique,
+        trace_timeout_s=2.0,
+        feedback_wait_s=120.0,
+    )
+    x, y = otel_agent.openinference_run("What is 6 * 7?"), otel_agent.openinference_run("2 + 2?")
+    held = [s for s in x.spans if s is not x.root] + y.spans
+    stage = IngestStage(cfg)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(stage.run)
+        await stage.started.wait()
+        await send_records(cfg, cfg.ingest.spans_topic, [(None, encode(held, "otlp_proto"), 0)])
+        with anyio.fail_after(60):
+            while not letter_kinds(await dead_letters(cfg), x.trace_id):  # noqa: ASYNC110
+                await anyio.sleep(0.3)
+        stage.stop()
+    stage = IngestStage(cfg)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(stage.run)
+        await stage.started.wait()
+        await send_records(cfg, cfg.ingest.spans_topic, [(None, encode([x.root], "otlp_proto"), 1)])
+        async with TraceProducer(cfg.kafka) as producer:
+            verdict = Feedback(passed=True, text="right")
+            await producer.send_feedback(
+                FeedbackRecord(key="oi-agent", trace_id=y.trace_id, feedback=verdict)
+            )
+        traces = await wait_for_traces(cfg, 1)
+        with anyio.fail_after(60):
+            while "late_span" not in letter_kinds(await dead_letters(cfg), x.trace_id):  # noqa: ASYNC110
+                await anyio.sleep(0.3)
+        await wait_fully_committed(cfg, 60)
+        stage.stop()
+    assert [(t.trace_id, t.feedback.passed) for t in traces] == [(y.trace_id, True)]
+    assert letter_kinds(await dead_letters(cfg), x.trace_id) == ["no_root", "late_span"]
+
+
 def _respanned(spans: Sequence[Any]) -> list[Any]:
     """Copies of ``spans`` under fresh span ids (SDK ReadableSpans keep their context)."""
     from opentelemetry.sdk.trace import ReadableSpan

@@ -13,7 +13,7 @@ import pytest
 
 from combee_stream.config import IngestConfig
 from combee_stream.formats.spans import LogEvent, Span, SpanEvent, Telemetry
-from combee_stream.ingest.assembler import NO_FEEDBACK, Assembler, Rejected, Written, WrittenMark
+from combee_stream.ingest.assembler import NO_FEEDBACK, Assembler, Rejected, TraceMark, Written
 from combee_stream.schemas import Feedback, FeedbackRecord
 
 T = "spans"
@@ -78,7 +78,7 @@ def test_a_trace_is_written_once_its_root_ended_and_the_gap_passed() -> None:
     trace = out.trace
     assert (trace.key, trace.trace_id, trace.task) == ("support", trace_id(1), "question 1")
     assert trace.output == "answer 1" and trace.feedback == NO_FEEDBACK
-    assert out.mark == WrittenMark(offsets={f"{T}:0": 0, f"{T}:1": 0})
+    assert out.mark == TraceMark(offsets={f"{T}:0": 0, f"{T}:1": 0})
     assert a.committable() == {(T, 0): 1, (T, 1): 1} and a.open_traces == 0
 
 
@@ -199,3 +199,30 @@ def test_catching_up_a_backlog_a_trace_waits_for_the_partitions_behind_it() -> N
     assert a.due(5.0, watermark=100.5) == [], "a lagging partition is at record time 100.5"
     [out] = a.due(5.0, watermark=101.0)
     assert isinstance(out, Written)
+
+
+def test_a_rejection_read_again_after_a_restart_is_not_rejected_twice_nor_written() -> None:
+    a = Assembler(SETTINGS)
+    chat, root = agent_spans(1)
+    a.add_telemetry(Telemetry(spans=[chat]), (T, 0, 3), now=0.0)
+    [no_root] = a.due(10.0)
+    assert isinstance(no_root, Rejected) and no_root.kind == "no_root"
+    assert no_root.mark == TraceMark(offsets={f"{T}:0": 3}, outcome="no_root")
+    # A crash before offset 3 was committed: the mark is read back, offset 3 again.
+    b = Assembler(SETTINGS)
+    b.restore(trace_id(1), no_root.mark)
+    b.start_at(T, 0, 3)
+    assert b.add_telemetry(Telemetry(spans=[chat]), (T, 0, 3), now=0.0) == [], "read again"
+    [late] = b.add_telemetry(Telemetry(spans=[root]), (T, 0, 4), now=0.5)
+    assert late.kind == "late_span" and "dead-lettered (no_root)" in late.reason
+    assert late.mark == TraceMark(offsets={f"{T}:0": 4}, outcome="no_root"), "covers offset 4"
+    assert b.due(20.0) == [] and b.open_traces == 0 and b.committable() == {(T, 0): 5}
+    assert b.settled({(T, 0): 5}) == [], "a rejection's mark stays while it is remembered"
+
+
+def test_a_rejection_forgotten_from_the_recent_memory_has_its_mark_deleted() -> None:
+    a = Assembler(SETTINGS, recent=1)
+    for n in (1, 2):
+        a.add_telemetry(Telemetry(spans=[agent_spans(n)[0]]), (T, 0, n), now=0.0)
+    assert {r.kind for r in a.due(10.0) if isinstance(r, Rejected)} == {"no_root"}
+    assert a.settled({(T, 0): 3}) == [trace_id(1)], "trace 1 fell out of the memory of 1"

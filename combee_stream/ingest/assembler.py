@@ -17,9 +17,15 @@ become a trace is a rejection (dead-lettered by the stage), never dropped:
 
 Offsets: a message is *pending* while any trace it contributed to is open; its offset is done
 when the last of them is written or rejected (``engine.offsets.PartitionOffsets`` gives the
-committable low watermark per partition). Traces written are remembered with the
-highest offset of each partition they came from, so spans read again after a crash (everything
-above the committed offsets is read again) are recognised and not written twice.
+committable low watermark per partition). Every decision (written, or rejected as
+``no_root``, ``span_flood``, ...) is a :class:`TraceMark` on the state topic, in the
+transaction of the trace or its dead letter, with the highest offset of each partition the
+trace's input came from: input read again after a crash (everything above the committed
+offsets is read again) is recognised and neither written nor dead-lettered twice, and input
+that comes later is late (a rejected trace's late root is ``late_span``, never a trace). A
+written trace's mark is deleted once no read-again can reach it (late input for it then
+starts a trace that has no root: ``no_root``); a rejection's mark stays while the decision is
+among the ``recent`` remembered (100,000), so the answer to late input survives restarts.
 
 Several feedback items for one trace are combined so (:func:`combine_feedback`): the score is
 their mean, ``passed`` is false if any says false (true only if every item that says anything
@@ -41,7 +47,7 @@ from combee_stream.engine.offsets import PartitionOffsets
 from combee_stream.errors import DecodeError
 from combee_stream.formats.genai import evaluations, prompt_key, root_span, trace_from_spans
 from combee_stream.formats.spans import LogEvent, Span, Telemetry
-from combee_stream.schemas import Feedback, FeedbackRecord, Trace
+from combee_stream.schemas import Feedback, FeedbackRecord, Trace, encode
 
 # A message's place: (topic, partition, offset).
 Ref = tuple[str, int, int]
@@ -53,29 +59,27 @@ NO_FEEDBACK: Final = Feedback(
 )
 
 
-class WrittenMark(Struct, frozen=True):
-    """The state-topic record of a written trace: the highest offset read of each partition it
-    came from (``"topic:partition"`` -> offset)."""
+# A trace rejected as a whole; then input rejected on its own (late for a decided trace).
+TraceRejection = Literal["no_root", "span_flood", "unmappable", "orphan_feedback", "no_feedback"]
+RejectionKind = Literal[TraceRejection, "late_feedback", "late_span"]
+# What became of a trace (late input changes nothing: it is rejected on its own).
+Outcome = Literal["written", TraceRejection]
+
+
+class TraceMark(Struct, frozen=True):
+    """The state-topic record of a decided trace: the highest offset read of each partition its
+    input came from (``"topic:partition"`` -> offset), and what it became."""
 
     offsets: dict[str, int]
-
-
-RejectionKind = Literal[
-    "no_root",
-    "span_flood",
-    "unmappable",
-    "orphan_feedback",
-    "late_feedback",
-    "late_span",
-    "no_feedback",
-]
+    outcome: Outcome = "written"
 
 
 class Written(Struct, frozen=True, kw_only=True):
     """A trace to write to the traces topic, and its state-topic mark."""
 
     trace: Trace
-    mark: WrittenMark
+    value: bytes  # the trace encoded, as written (checked against the size limit)
+    mark: TraceMark
     feedback_items: int  # how many feedback items were combined into it (0: none came)
     assembly_s: float  # from its first span to now
 
@@ -88,6 +92,7 @@ class Rejected(Struct, frozen=True, kw_only=True):
     trace_id: str
     key: str | None  # the prompt key, when known
     payload: bytes  # what was held, as JSON (the spans, events and feedback)
+    mark: TraceMark | None = None  # its state-topic record, written with the dead letter
 
 
 class _Open:
@@ -152,16 +157,24 @@ class Assembler:
     the committed offsets and the state topic.
     """
 
-    def __init__(self, settings: IngestConfig, *, recent: int = 100_000) -> None:
+    def __init__(
+        self,
+        settings: IngestConfig,
+        *,
+        max_trace_bytes: int = 1_048_576,
+        recent: int = 100_000,
+    ) -> None:
         self._s = settings
+        self._max_bytes = max_trace_bytes  # a larger trace is rejected (the broker would refuse)
         self._open: dict[str, _Open] = {}
         self._holds: dict[Ref, int] = {}  # message -> open traces it still feeds
         self._offsets: dict[TopicPartitionKey, PartitionOffsets] = {}
-        # Written traces whose spans may still be read again (above a committed offset), with
+        # Decided traces whose input may still be read again (above a committed offset), with
         # their highest offsets; and a bounded memory of every recent decision, for late input.
-        self._written: dict[str, dict[TopicPartitionKey, int]] = {}
-        self._recent: OrderedDict[str, str] = OrderedDict()  # trace id -> "written" | kind
+        self._decided: dict[str, dict[TopicPartitionKey, int]] = {}
+        self._recent: OrderedDict[str, Outcome] = OrderedDict()
         self._recent_cap = recent
+        self._forgotten: list[str] = []  # rejections no longer remembered: marks to delete
 
     # ------------------------------------------------------------------ state
 
@@ -169,17 +182,19 @@ class Assembler:
     def open_traces(self) -> int:
         return len(self._open)
 
-    def restore(self, trace_id: str, mark: WrittenMark) -> None:
-        """A trace written before (read back from the state topic)."""
+    def restore(self, trace_id: str, mark: TraceMark) -> None:
+        """A trace decided before (read back from the state topic, in the order written)."""
         offsets: dict[TopicPartitionKey, int] = {}
         for where, offset in mark.offsets.items():
             topic, _, partition = where.rpartition(":")
             offsets[(topic, int(partition))] = offset
-        self._written[trace_id] = offsets
-        self._remember(trace_id, "written")
+        self._decided[trace_id] = offsets
+        self._remember(trace_id, mark.outcome)
 
-    def forget_written(self, trace_id: str) -> None:
-        self._written.pop(trace_id, None)
+    def forget(self, trace_id: str) -> None:
+        """A deleted mark (a tombstone read back)."""
+        self._decided.pop(trace_id, None)
+        self._recent.pop(trace_id, None)
 
     def start_at(self, topic: str, partition: int, offset: int) -> None:
         """Where reading of a partition starts (its committed offset)."""
@@ -194,16 +209,20 @@ class Assembler:
         return out
 
     def settled(self, committed: dict[TopicPartitionKey, int]) -> list[str]:
-        """Written traces that no read-again can reach any more (every offset they came from
-        is below ``committed``): their state-topic records can be deleted."""
+        """The marks to delete once ``committed`` is: written traces no read-again can reach
+        any more (every offset they came from is below ``committed``), and rejections settled
+        so and no longer remembered."""
         done = [
             trace_id
-            for trace_id, offsets in self._written.items()
+            for trace_id, offsets in self._decided.items()
             if all(tp in committed and offset < committed[tp] for tp, offset in offsets.items())
         ]
+        out, self._forgotten = self._forgotten, []
         for trace_id in done:
-            del self._written[trace_id]
-        return done
+            del self._decided[trace_id]
+            if self._recent.get(trace_id, "written") == "written":
+                out.append(trace_id)
+        return out
 
     # ------------------------------------------------------------------ input
 
@@ -304,13 +323,17 @@ class Assembler:
         None for a trace not decided."""
         if trace_id in self._open:
             return None
-        written = self._written.get(trace_id)
+        seen = self._decided.get(trace_id)
         topic, partition, offset = ref
-        if written is not None and offset <= written.get((topic, partition), -1):
+        if seen is not None and offset <= seen.get((topic, partition), -1):
             return "again"
         decided = self._recent.get(trace_id)
         if decided is None:
             return None
+        # Its mark now covers this message too: read again, it is not rejected twice.
+        seen = self._decided.setdefault(trace_id, {})
+        seen[(topic, partition)] = max(seen.get((topic, partition), -1), offset)
+        mark = _mark(seen, decided)
         has_feedback = bool(feedback) or bool(evaluations(spans, logs))
         kind: RejectionKind = "late_feedback" if has_feedback and not spans else "late_span"
         what = "feedback" if kind == "late_feedback" else "spans"
@@ -323,7 +346,9 @@ class Assembler:
         payload = msgspec.json.encode(
             {"trace_id": trace_id, "spans": spans, "logs": logs, "feedback": feedback}
         )
-        return Rejected(kind=kind, reason=reason, trace_id=trace_id, key=None, payload=payload)
+        return Rejected(
+            kind=kind, reason=reason, trace_id=trace_id, key=None, payload=payload, mark=mark
+        )
 
     # ------------------------------------------------------------------ output
 
@@ -392,35 +417,62 @@ class Assembler:
         except (DecodeError, ValueError, msgspec.ValidationError) as exc:
             reason = exc.reason if isinstance(exc, DecodeError) else str(exc)
             return self._reject(entry, "unmappable", f"trace {entry.trace_id}: {reason}")
-        self._close(entry, "written")
-        highest = _highest(entry.refs)
-        self._written[entry.trace_id] = highest
-        mark = WrittenMark(offsets={f"{t}:{p}": offset for (t, p), offset in highest.items()})
+        value = encode(trace)
+        if len(value) > self._max_bytes:
+            # A record the broker would refuse would stop the stage for good.
+            return self._reject(
+                entry,
+                "unmappable",
+                f"trace {entry.trace_id} encodes to {len(value)} bytes > kafka.max_message_bytes"
+                f" = {self._max_bytes} (fewer spans per trace, or a lower ingest.max_step_chars)",
+                payload=value,
+            )
+        mark = self._close(entry, "written")
         return Written(
-            trace=trace, mark=mark, feedback_items=len(items), assembly_s=now - entry.first_seen
+            trace=trace,
+            value=value,
+            mark=mark,
+            feedback_items=len(items),
+            assembly_s=now - entry.first_seen,
         )
 
-    def _reject(self, entry: _Open, kind: RejectionKind, reason: str) -> Rejected:
-        self._close(entry, kind)
+    def _reject(
+        self, entry: _Open, kind: TraceRejection, reason: str, *, payload: bytes | None = None
+    ) -> Rejected:
+        mark = self._close(entry, kind)
         spans = list(entry.spans.values())
         key = prompt_key(spans, self._s) if spans else None
         return Rejected(
-            kind=kind, reason=reason, trace_id=entry.trace_id, key=key, payload=entry.payload()
+            kind=kind,
+            reason=reason,
+            trace_id=entry.trace_id,
+            key=key,
+            payload=entry.payload() if payload is None else payload,
+            mark=mark,
         )
 
-    def _close(self, entry: _Open, decision: str) -> None:
-        """The trace is decided: it is no longer open, and its messages hold one trace less."""
+    def _close(self, entry: _Open, decision: Outcome) -> TraceMark:
+        """The trace is decided: it is no longer open, its messages hold one trace less, and
+        its mark says so."""
         self._open.pop(entry.trace_id, None)
         self._remember(entry.trace_id, decision)
         for ref in entry.refs:
             self._holds[ref] -= 1
             self._settle_if_free(ref)
+        highest = self._decided[entry.trace_id] = _highest(entry.refs)
+        return _mark(highest, decision)
 
-    def _remember(self, trace_id: str, decision: str) -> None:
+    def _remember(self, trace_id: str, decision: Outcome) -> None:
         self._recent[trace_id] = decision
         self._recent.move_to_end(trace_id)
         while len(self._recent) > self._recent_cap:
-            self._recent.popitem(last=False)
+            old, outcome = self._recent.popitem(last=False)
+            if outcome != "written" and old not in self._decided:
+                self._forgotten.append(old)  # (a mark still in _decided goes when settled)
+
+
+def _mark(offsets: dict[TopicPartitionKey, int], outcome: Outcome) -> TraceMark:
+    return TraceMark(offsets={f"{t}:{p}": at for (t, p), at in offsets.items()}, outcome=outcome)
 
 
 def _highest(refs: Iterable[Ref]) -> dict[TopicPartitionKey, int]:
@@ -433,10 +485,11 @@ def _highest(refs: Iterable[Ref]) -> dict[TopicPartitionKey, int]:
 __all__ = [
     "NO_FEEDBACK",
     "Assembler",
+    "Outcome",
     "Ref",
     "Rejected",
     "RejectionKind",
+    "TraceMark",
     "Written",
-    "WrittenMark",
     "combine_feedback",
 ]

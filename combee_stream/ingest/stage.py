@@ -7,7 +7,8 @@ are not co-partitioned with prompt keys. Each flush is one transaction holding t
 written, their marks on the compacted state topic, the dead letters and the input offsets now
 committable; so after a crash (or a broker error, or a rebalance: all three are handled as a
 restart from the committed offsets) nothing is lost, and a trace read again is recognised by
-its mark and not written twice.
+its mark and not written twice. Rejections have marks too (with their dead letters), so none
+is dead-lettered twice, and late input of a rejected trace is late after a restart as well.
 
 Choices the design leaves open, recorded here:
 
@@ -40,7 +41,7 @@ from aiokafka.errors import KafkaError, ProducerFenced
 from combee_stream.config import Config
 from combee_stream.errors import BrokerUnavailableError, DecodeError, EngineHalted
 from combee_stream.formats.otlp import decode_telemetry
-from combee_stream.ingest.assembler import Assembler, Rejected, Written, WrittenMark
+from combee_stream.ingest.assembler import Assembler, Rejected, TraceMark, Written
 from combee_stream.ingest.metrics import IngestMetrics
 from combee_stream.kafka.client import client_kwargs, start_client, stop_quietly
 from combee_stream.kafka.dlq import DeadLetter
@@ -49,7 +50,7 @@ from combee_stream.kafka.reader import read_to_end
 from combee_stream.kafka.topics import ensure_ingest_topics
 from combee_stream.logs import get_logger
 from combee_stream.retry import RetryPolicy
-from combee_stream.schemas import FeedbackRecord, decode, encode
+from combee_stream.schemas import FeedbackRecord, decode
 
 log = get_logger(__name__)
 
@@ -150,15 +151,15 @@ class IngestStage:
             await stop_quietly(producer)
 
     async def _assembler(self) -> Assembler:
-        """A new assembler that knows every trace written and not yet settled."""
+        """A new assembler that knows every trace decided whose mark is kept."""
         cfg = self.config.ingest
-        assembler = Assembler(cfg)
+        assembler = Assembler(cfg, max_trace_bytes=self.config.kafka.max_message_bytes)
         for record in await read_to_end(self.config.kafka, cfg.state_topic, env=self._env):
             trace_id = record.key.decode()
             if record.value is None:
-                assembler.forget_written(trace_id)
+                assembler.forget(trace_id)
             else:
-                assembler.restore(trace_id, msgspec.json.decode(record.value, type=WrittenMark))
+                assembler.restore(trace_id, msgspec.json.decode(record.value, type=TraceMark))
         return assembler
 
     async def _loop(
@@ -266,20 +267,24 @@ class IngestStage:
         settled = assembler.settled({**committed, **offsets})
         limit = kafka.max_message_bytes
         async with producer.transaction():
-            for n, item in enumerate(items):
+            for item in items:
                 if isinstance(item, Written):
-                    trace, value = item.trace, encode(item.trace)
-                    if len(value) <= limit:
-                        await producer.send(kafka.traces_topic, value=value, key=trace.key.encode())
-                        await producer.send(
-                            cfg.state_topic,
-                            value=msgspec.json.encode(item.mark),
-                            key=trace.trace_id.encode(),
-                        )
-                        continue
-                    # A record the broker would refuse would stop the stage for good: the
-                    # trace is a dead letter instead (its mark is not written: nothing to skip).
-                    item = items[n] = _oversized(trace.trace_id, trace.key, value, limit)
+                    trace = item.trace
+                    await producer.send(
+                        kafka.traces_topic, value=item.value, key=trace.key.encode()
+                    )
+                    await producer.send(
+                        cfg.state_topic,
+                        value=msgspec.json.encode(item.mark),
+                        key=trace.trace_id.encode(),
+                    )
+                    continue
+                if isinstance(item, Rejected) and item.mark is not None:
+                    await producer.send(
+                        cfg.state_topic,
+                        value=msgspec.json.encode(item.mark),
+                        key=item.trace_id.encode(),
+                    )
                 letter = item if isinstance(item, DeadLetter) else _letter(item)
                 if letter.value is not None and len(letter.value) > limit // 2:
                     cut = letter.value[: limit // 2]
@@ -298,17 +303,6 @@ class IngestStage:
         committed.update(offsets)
         for item in items:
             self.metrics.observe(item)
-
-
-def _oversized(trace_id: str, key: str, value: bytes, limit: int) -> Rejected:
-    return Rejected(
-        kind="unmappable",
-        reason=f"trace {trace_id} encodes to {len(value)} bytes > kafka.max_message_bytes = "
-        f"{limit} (fewer spans per trace, or a lower ingest.max_step_chars)",
-        trace_id=trace_id,
-        key=key,
-        payload=value,
-    )
 
 
 def _letter(item: Rejected) -> DeadLetter:
