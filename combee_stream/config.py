@@ -240,7 +240,8 @@ class IngestConfig(_Section):
     gap_s: PositiveFloat = 5.0
     # A trace with no root span after this long (since its first span) is dead-lettered.
     trace_timeout_s: PositiveFloat = 300.0
-    # Open (not yet written) traces held at once; past it the spans partitions are paused.
+    # Open traces with spans held at once; past it the spans topic's partitions are paused
+    # (the logs and feedback topics are not: the traces waiting need their feedback).
     max_open_traces: Positive = 10_000
     # A trace with more spans than this is dead-lettered (a span flood bounds no memory else).
     max_spans_per_trace: Positive = 2_000

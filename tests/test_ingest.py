@@ -341,6 +341,55 @@ async def test_a_rejection_survives_a_restart_its_input_read_again_and_its_late_
     assert letter_kinds(await dead_letters(cfg), x.trace_id) == ["no_root", "late_span"]
 
 
+def sample(stage: IngestStage, name: str, **labels: str) -> float:
+    return stage.metrics.registry.get_sample_value(name, labels or None) or 0.0
+
+
+@pytest.mark.anyio
+async def test_paused_at_max_open_traces_feedback_still_joins_and_every_trace_is_written_once(
+    config: Config, unique: str
+) -> None:
+    """A cap of 2 open traces and 8 in flight, each waiting for its feedback (sent after all
+    the spans): the stage pauses the spans topic only, so the feedback still comes and every
+    trace is written once with it; feedback read before its spans does not count toward the
+    cap (it would hold the spans back until it timed out)."""
+    cfg = ingest_config(
+        engine_config(config, unique, "http://127.0.0.1:9"),
+        unique,
+        max_open_traces=2,
+        feedback_wait_s=120.0,
+    )
+    runs = [otel_agent.openinference_run(f"What is {n} + {n}?") for n in range(8)]
+    stage = IngestStage(cfg)
+
+    def records(batch: Sequence[AgentRun]) -> list[tuple[Any, bytes, int]]:
+        return [(None, encode(r.spans, "otlp_proto"), i % 3) for i, r in enumerate(batch)]
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(stage.run)
+        await stage.started.wait()
+        await send_records(cfg, cfg.ingest.spans_topic, records(runs[:4]))
+        with anyio.fail_after(60):
+            while sample(stage, "combee_ingest_pauses_total") < 1:  # noqa: ASYNC110
+                await anyio.sleep(0.2)
+        await send_records(cfg, cfg.ingest.spans_topic, records(runs[4:]))
+        async with TraceProducer(cfg.kafka) as producer:
+            for run in runs:
+                feedback = Feedback(passed=True, text=f"checked {run.task}")
+                await producer.send_feedback(
+                    FeedbackRecord(key="oi-agent", trace_id=run.trace_id, feedback=feedback)
+                )
+        traces = await wait_for_traces(cfg, len(runs))
+        await wait_fully_committed(cfg, 60, cfg.ingest.spans_topic, cfg.kafka.feedback_topic)
+        stage.stop()
+    assert Counter(t.trace_id for t in traces) == Counter(r.trace_id for r in runs)
+    by_id = {r.trace_id: r for r in runs}
+    for trace in traces:
+        assert trace.feedback.text == f"checked {by_id[trace.trace_id].task}", trace.feedback
+    assert sample(stage, "combee_ingest_feedback_joined_total") == len(runs)
+    assert await dead_letters(cfg) == []
+
+
 def _respanned(spans: Sequence[Any]) -> list[Any]:
     """Copies of ``spans`` under fresh span ids (SDK ReadableSpans keep their context)."""
     from opentelemetry.sdk.trace import ReadableSpan

@@ -175,12 +175,19 @@ class Assembler:
         self._recent: OrderedDict[str, Outcome] = OrderedDict()
         self._recent_cap = recent
         self._forgotten: list[str] = []  # rejections no longer remembered: marks to delete
+        self._spanned = 0  # open traces with at least one span
 
     # ------------------------------------------------------------------ state
 
     @property
     def open_traces(self) -> int:
         return len(self._open)
+
+    @property
+    def assembling(self) -> int:
+        """Open traces with spans: what ``max_open_traces`` bounds (pausing the spans topic
+        bounds no more; feedback waiting for its spans must not stop them coming)."""
+        return self._spanned
 
     def restore(self, trace_id: str, mark: TraceMark) -> None:
         """A trace decided before (read back from the state topic, in the order written)."""
@@ -280,6 +287,8 @@ class Assembler:
                 continue
             entry = self._entry(trace_id, now)
             self._hold(entry, ref)
+            if spans and not entry.spans:
+                self._spanned += 1
             for span in spans:
                 entry.spans[span.span_id] = span  # a span sent twice counts once
             entry.logs.extend(logs)
@@ -454,7 +463,8 @@ class Assembler:
     def _close(self, entry: _Open, decision: Outcome) -> TraceMark:
         """The trace is decided: it is no longer open, its messages hold one trace less, and
         its mark says so."""
-        self._open.pop(entry.trace_id, None)
+        if self._open.pop(entry.trace_id, None) is not None and entry.spans:
+            self._spanned -= 1
         self._remember(entry.trace_id, decision)
         for ref in entry.refs:
             self._holds[ref] -= 1

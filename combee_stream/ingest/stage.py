@@ -21,8 +21,10 @@ Choices the design leaves open, recorded here:
   Kafka exporter with ``partition_traces_by_id`` (all spans of a trace in one partition, keyed
   by trace id) and key feedback by trace id (``TraceProducer.send_feedback`` does), with the
   same partition count on the spans, logs and feedback topics. One instance reads them all.
-- Past ``ingest.max_open_traces`` the stage pauses its input until traces complete or time out
-  (``trace_timeout_s`` bounds how long that takes), so memory stays bounded.
+- Past ``ingest.max_open_traces`` (open traces with spans) the stage pauses the spans topic
+  until traces complete or time out (``trace_timeout_s`` bounds how long that takes), so memory
+  stays bounded. The logs and feedback topics go on: the traces waiting are those that need
+  their feedback, and no trace is complete before its feedback wait ends.
 """
 
 from __future__ import annotations
@@ -206,9 +208,9 @@ class IngestStage:
                 await self._flush(assembler, producer, pending, committed)
                 pending = []
                 last_flush = now
-            full = assembler.open_traces >= cfg.max_open_traces
+            full = assembler.assembling >= cfg.max_open_traces
             if full != paused:
-                parts = list(consumer.assignment())
+                parts = [tp for tp in consumer.assignment() if tp.topic == cfg.spans_topic]
                 (consumer.pause if full else consumer.resume)(*parts)
                 paused = full
                 if full:
