@@ -259,6 +259,9 @@ class IngestConfig(_Section):
     version_attribute: str = "combee.prompt.version"
     # Step contents longer than this are cut (the engine's budgets count the whole trace).
     max_step_chars: Positive = 4_000
+    # `ingest otel` alone serves /metrics, /healthz and /readyz here (on engine.metrics_host;
+    # 0 = none). `run --ingest otel` puts the ingest metrics on the engine's endpoint instead.
+    metrics_port: Annotated[int, Meta(ge=0, le=65535)] = 9465
 
 
 class GateConfig(_Section):

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx2
 import msgspec
 import otel_agent
 import otel_support
@@ -31,6 +32,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from otel_agent import AgentRun, encode, per_trace_slices, run_agent
 from otel_support import run_collector
+from prometheus_client.parser import text_string_to_metric_families
 
 from combee_stream.config import Config
 from combee_stream.engine import Engine
@@ -53,7 +55,7 @@ def ingest_config(cfg: Config, unique: str, **ingest: Any) -> Config:
         logs_topic=f"i.logs.{unique}",
         state_topic=f"i.state.{unique}",
         group_id=f"i.group.{unique}",
-        **{"gap_s": 0.5, "trace_timeout_s": 8.0, **ingest},
+        **{"gap_s": 0.5, "trace_timeout_s": 8.0, "metrics_port": 0, **ingest},
     )
     kafka = msgspec.structs.replace(cfg.kafka, feedback_topic=f"i.feedback.{unique}")
     return msgspec.structs.replace(cfg, ingest=settings, kafka=kafka)
@@ -454,6 +456,8 @@ def ingest_env(cfg: Config) -> dict[str, str]:
             "COMBEE__INGEST__GROUP_ID": s.group_id,
             "COMBEE__INGEST__GAP_S": str(s.gap_s),
             "COMBEE__INGEST__TRACE_TIMEOUT_S": str(s.trace_timeout_s),
+            "COMBEE__INGEST__FEEDBACK_WAIT_S": str(s.feedback_wait_s),
+            "COMBEE__INGEST__METRICS_PORT": str(s.metrics_port),
         }
     )
     return env
@@ -527,6 +531,86 @@ async def test_a_killed_ingest_stage_loses_and_duplicates_no_trace(
     assert counts == Counter(run.trace_id for run in runs), log_path.read_text()[-3000:]
     reasons = [dict(r.headers)[H_ERROR].decode() for r in await dead_letters(cfg)]
     assert reasons == [], "\n".join(reasons)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(300)
+async def test_ingest_otel_alone_serves_its_metrics_consistent_with_what_it_ingested(
+    config: Config, unique: str, tmp_path: Path
+) -> None:
+    """`combee-stream ingest otel` as its own process serves /metrics, /healthz and /readyz on
+    ingest.metrics_port: 3 traces with feedback, 1 without, 1 with no root span (expired) and
+    1 orphaned feedback item are counted as such."""
+    port = otel_support._free_port()
+    cfg = ingest_config(
+        engine_config(config, unique, "http://127.0.0.1:9"),
+        unique,
+        trace_timeout_s=3.0,
+        feedback_wait_s=2.0,
+        metrics_port=port,
+    )
+    runs = [otel_agent.openinference_run(f"What is {n} * 3?") for n in range(5)]
+    expired = runs.pop()
+    log_path = tmp_path / "ingest.log"
+    proc = spawn_ingest(cfg, log_path)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx2.AsyncClient() as http:
+            with anyio.fail_after(60):
+                while True:  # up once the stage reads
+                    try:
+                        if (await http.get(f"{base}/readyz")).status_code == 200:
+                            break
+                    except httpx2.TransportError:
+                        pass
+                    await anyio.sleep(0.2)
+            assert (await http.get(f"{base}/healthz")).status_code == 200
+            spans = [s for r in runs for s in r.spans]
+            spans += [s for s in expired.spans if s is not expired.root]
+            await send_records(
+                cfg, cfg.ingest.spans_topic, [(None, encode(spans, "otlp_proto"), 0)]
+            )
+            async with TraceProducer(cfg.kafka) as producer:
+                for run in [*runs[:3], None]:
+                    trace_id = run.trace_id if run else "e" * 32
+                    await producer.send_feedback(
+                        FeedbackRecord(
+                            key="oi-agent", trace_id=trace_id, feedback=Feedback(score=1)
+                        )
+                    )
+            await wait_for_traces(cfg, 4)
+            await wait_for_letters(cfg, 2)
+            with anyio.fail_after(30):
+                while True:  # the endpoint is another process: until it has counted the letters
+                    families = {
+                        f.name: f
+                        for f in text_string_to_metric_families(
+                            (await http.get(f"{base}/metrics")).text
+                        )
+                    }
+                    values = {
+                        (s.name, tuple(sorted(s.labels.items()))): s.value
+                        for f in families.values()
+                        for s in f.samples
+                    }
+                    if (
+                        sum(
+                            v for (n, _), v in values.items() if n == "combee_ingest_rejected_total"
+                        )
+                        >= 2
+                    ):
+                        break
+                    await anyio.sleep(0.2)
+    finally:
+        kill(proc, signal.SIGTERM)
+    assert values[("combee_ingest_traces_total", ())] == 4, log_path.read_text()[-2000:]
+    assert values[("combee_ingest_assembly_seconds_count", ())] == 4
+    assert values[("combee_ingest_feedback_joined_total", ())] == 3
+    assert values[("combee_ingest_without_feedback_total", ())] == 1
+    assert values[("combee_ingest_rejected_total", (("kind", "no_root"),))] == 1
+    assert values[("combee_ingest_rejected_total", (("kind", "orphan_feedback"),))] == 1
+    assert values[("combee_ingest_open_traces", ())] == 0
+    assert values[("combee_ingest_spans_total", ())] == len(spans)
 
 
 otelcol_binary = otel_support.otelcol_binary  # the session fixture, for this module

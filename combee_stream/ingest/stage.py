@@ -109,6 +109,7 @@ class IngestStage:
                 # the recovery, and it may repeat until the broker deadline (counted from the
                 # first failure since a session last got going).
                 now = time.monotonic()
+                self.metrics.health.assigned = False
                 if self._reading:
                     self._reading, failed_since, attempt = False, None, 0
                 failed_since = failed_since or now
@@ -175,6 +176,7 @@ class IngestStage:
         clock = _StreamClock()
         pending: list[Written | Rejected | DeadLetter] = []
         self._reading = True
+        self.metrics.health.assigned = True
         self.started.set()
         while not self._stop.is_set():
             batches = await consumer.getmany(timeout_ms=_POLL_MS, max_records=_MAX_RECORDS)
