@@ -613,6 +613,46 @@ async def test_ingest_otel_alone_serves_its_metrics_consistent_with_what_it_inge
     assert values[("combee_ingest_spans_total", ())] == len(spans)
 
 
+@pytest.mark.anyio
+async def test_evaluation_log_records_on_the_logs_topic_join_their_trace_and_none_is_dropped(
+    config: Config, unique: str
+) -> None:
+    """gen_ai.evaluation.result events emitted through the OTel SDK's LoggerProvider and
+    encoded by its OTLP log encoder, on the logs topic: the one in the run's span context joins
+    its trace; one emitted outside any span is dead-lettered (untraced_feedback); one whose
+    evaluator failed (error.type) is no outcome, and is counted."""
+    cfg = ingest_config(engine_config(config, unique, "http://127.0.0.1:9"), unique)
+    cfg = msgspec.structs.replace(
+        cfg, ingest=msgspec.structs.replace(cfg.ingest, feedback_wait_s=2.0)
+    )
+    run = otel_agent.openinference_run("What is 6 * 7?")
+    records = [
+        *otel_agent.evaluation_records(run.root, name="correctness", label="correct", score=1.0),
+        *otel_agent.evaluation_records(run.root, name="toxicity", error_type="TimeoutError"),
+        *otel_agent.evaluation_records(None, name="lost", label="pass"),
+    ]
+    stage = IngestStage(cfg)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(stage.run)
+        await stage.started.wait()
+        await send_records(
+            cfg, cfg.ingest.spans_topic, [(None, encode(run.spans, "otlp_proto"), 0)]
+        )
+        logs = otel_agent.encode_logs_proto(records)
+        await send_records(cfg, cfg.ingest.logs_topic, [(None, logs, 1)])
+        [trace] = await wait_for_traces(cfg, 1)
+        [letter] = await wait_for_letters(cfg, 1)
+        await wait_fully_committed(cfg, 60, cfg.ingest.spans_topic, cfg.ingest.logs_topic)
+        stage.stop()
+    assert trace.trace_id == run.trace_id
+    assert trace.feedback == Feedback(score=1.0, passed=True, text="correctness (correct)")
+    reason = dict(letter.headers)[H_ERROR].decode()
+    assert reason.startswith("untraced_feedback") and b'"lost"' in letter.value, reason
+    assert letter_sources([letter]) == Counter({(cfg.ingest.logs_topic, 1, 0): 1})
+    assert sample(stage, "combee_ingest_evaluation_errors_total", kind="error") == 1
+    assert sample(stage, "combee_ingest_rejected_total", kind="untraced_feedback") == 1
+
+
 otelcol_binary = otel_support.otelcol_binary  # the session fixture, for this module
 
 

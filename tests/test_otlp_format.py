@@ -37,6 +37,7 @@ from combee_stream.config import IngestConfig
 from combee_stream.errors import DecodeError
 from combee_stream.formats.genai import (
     NOT_CAPTURED_TASK,
+    evaluation_errors,
     evaluations,
     prompt_key,
     root_span,
@@ -453,7 +454,7 @@ def test_evaluations_from_span_events_and_log_records(runs: dict[str, AgentRun])
         *evaluation_records(
             chat, name="correctness", score=0.0, label="incorrect", explanation="off by one"
         ),
-        *evaluation_records(None, name="orphan", label="pass"),  # no trace: not returned
+        *evaluation_records(None, name="orphan", label="pass"),  # no trace: untraced
         *evaluation_records(run.root, name="judge", label="timeout"),
     ]
     provider, collector = tracer_provider()
@@ -476,8 +477,11 @@ def test_evaluations_from_span_events_and_log_records(runs: dict[str, AgentRun])
         (encode_logs_json(records), "otlp_json"),
     ]
     for value, encoding in encoded:
-        logs = decode_telemetry(value, encoding, "logs").logs
+        telemetry = decode_telemetry(value, encoding, "logs")
+        logs = telemetry.logs
         assert [log.event.name for log in logs] == ["gen_ai.evaluation.result"] * 2
+        [orphan] = telemetry.untraced  # feedback that names no trace is kept, not dropped
+        assert orphan.attributes["gen_ai.evaluation.name"] == "orphan"
         assert logs[0].trace_id == run.trace_id
         assert logs[0].span_id == format(chat.get_span_context().span_id, "016x")
         assert logs[0].resource["service.name"] == "evaluator"
@@ -487,6 +491,7 @@ def test_evaluations_from_span_events_and_log_records(runs: dict[str, AgentRun])
             Feedback(text="judge (timeout)"),  # a label that says neither pass nor fail
             Feedback(score=0.75, passed=True, text="relevance (relevant)"),
         ]
+        assert evaluation_errors(spans, logs) == ["TimeoutError"], "the failed evaluator"
 
 
 def test_log_events_of_a_trace_join_its_spans(runs: dict[str, AgentRun]) -> None:

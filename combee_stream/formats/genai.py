@@ -52,7 +52,8 @@ it (``chat gpt-4o-mini (content not captured)``) and a tool span a ``tool_call``
 pair with placeholders. A trace with neither user text nor such a span raises ``DecodeError``.
 
 :func:`evaluations` reads ``gen_ai.evaluation.result`` events (span events or log records) as
-:class:`~combee_stream.schemas.Feedback`.
+:class:`~combee_stream.schemas.Feedback`; :func:`evaluation_errors` names those that give no
+result (a failed evaluator's ``error.type``).
 """
 
 from __future__ import annotations
@@ -68,13 +69,12 @@ import msgspec
 
 from combee_stream.config import IngestConfig
 from combee_stream.errors import DecodeError
-from combee_stream.formats.spans import LogEvent, Span, SpanEvent
+from combee_stream.formats.spans import EVALUATION_EVENT, LogEvent, Span, SpanEvent
 from combee_stream.schemas import Feedback, Key, Step, Trace, decode, encode
 
 NOT_CAPTURED_TASK: Final = (
     "(the agent's input was not captured: enable message content capture in its instrumentation)"
 )
-EVALUATION_EVENT: Final = "gen_ai.evaluation.result"
 BULLET_IDS_ATTRIBUTE: Final = "combee.bullet_ids"
 _DETAILS_EVENT: Final = "gen_ai.client.inference.operation.details"
 _AGENT_OPERATIONS: Final = frozenset({"invoke_agent", "create_agent", "invoke_workflow"})
@@ -192,16 +192,24 @@ def trace_from_spans(
 def evaluations(spans: Sequence[Span], logs: Sequence[LogEvent]) -> list[Feedback]:
     """Every ``gen_ai.evaluation.result`` event of the spans and logs, in time order, as
     Feedback: ``score.value`` -> score, ``score.label`` pass/fail (correct/incorrect, ...) ->
-    passed, ``gen_ai.evaluation.name`` (label): ``explanation`` -> text. Events that report a
-    failed evaluation (``error.type``) or carry nothing are skipped."""
+    passed, ``gen_ai.evaluation.name`` (label): ``explanation`` -> text. Events that give no
+    result are not feedback: :func:`evaluation_errors` names them."""
+    results = (_evaluation(event) for event in _evaluation_events(spans, logs))
+    return [result for result in results if isinstance(result, Feedback)]
+
+
+def evaluation_errors(spans: Sequence[Span], logs: Sequence[LogEvent]) -> list[str]:
+    """The evaluation events that give no result, in time order: their ``error.type`` (the
+    evaluator failed) or ``"empty"`` (no score, label or explanation). They say nothing about
+    the run, so they are no outcome; the ingest stage counts and logs them."""
+    results = (_evaluation(event) for event in _evaluation_events(spans, logs))
+    return [result for result in results if isinstance(result, str)]
+
+
+def _evaluation_events(spans: Sequence[Span], logs: Sequence[LogEvent]) -> list[SpanEvent]:
     events = [event for span in spans for event in span.events if event.name == EVALUATION_EVENT]
     events += [log.event for log in logs if log.event.name == EVALUATION_EVENT]
-    results = []
-    for event in sorted(_distinct(events), key=lambda event: event.time_ns):
-        result = _evaluation(event)
-        if result is not None:
-            results.append(result)
-    return results
+    return sorted(_distinct(events), key=lambda event: event.time_ns)
 
 
 # --------------------------------------------------------------------------- spans
@@ -769,10 +777,11 @@ _FAILED: Final = frozenset(
 )
 
 
-def _evaluation(event: SpanEvent) -> Feedback | None:
+def _evaluation(event: SpanEvent) -> Feedback | str:
+    """The event's result, or why it has none (its ``error.type``, or ``"empty"``)."""
     attrs = _event_body(event)
     if attrs.get("error.type"):
-        return None  # the evaluator failed: no verdict on the trace
+        return _text_of(attrs["error.type"])  # the evaluator failed: no verdict on the trace
     name = _text_of(attrs.get("gen_ai.evaluation.name"))
     score = _number(attrs.get("gen_ai.evaluation.score.value"))
     label = _text_of(attrs.get("gen_ai.evaluation.score.label"))
@@ -784,7 +793,7 @@ def _evaluation(event: SpanEvent) -> Feedback | None:
         f"{head}: {explanation}" if head and explanation else explanation or (head if label else "")
     )
     if score is None and passed is None and not text:
-        return None
+        return "empty"
     return Feedback(score=score, passed=passed, text=text or None)
 
 
@@ -792,6 +801,7 @@ __all__ = [
     "BULLET_IDS_ATTRIBUTE",
     "EVALUATION_EVENT",
     "NOT_CAPTURED_TASK",
+    "evaluation_errors",
     "evaluations",
     "prompt_key",
     "root_span",

@@ -14,7 +14,8 @@ have the same field numbers, so either reads). Two encodings:
 Values become :mod:`combee_stream.formats.spans` objects: ids as lowercase hex, attributes as a
 flat dict (AnyValue string/bool/int/double as Python values, arrays as lists, kvlists as dicts,
 bytes as hex). A log record becomes a :class:`LogEvent` named by its ``event_name`` field or its
-``event.name`` attribute; a record without a trace id cannot join a trace and is not returned.
+``event.name`` attribute; a record without a trace id cannot join a trace: an application log
+line is not returned, a ``gen_ai.evaluation.result`` (feedback) is, in ``Telemetry.untraced``.
 
 Anything that is not such a request raises :class:`DecodeError` with a one-line reason: bytes
 protobuf cannot parse (a truncated message), a span without a 16-byte trace id or an 8-byte span
@@ -37,7 +38,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 
 from combee_stream.errors import DecodeError
-from combee_stream.formats.spans import LogEvent, Span, SpanEvent, Telemetry
+from combee_stream.formats.spans import EVALUATION_EVENT, LogEvent, Span, SpanEvent, Telemetry
 
 Encoding: TypeAlias = Literal["otlp_proto", "otlp_json"]
 Signal: TypeAlias = Literal["traces", "logs"]
@@ -66,7 +67,8 @@ def decode_telemetry(value: bytes, encoding: Encoding, kind: Signal) -> Telemetr
         raise DecodeError(f"unknown OTLP encoding {encoding!r} (otlp_proto or otlp_json)")
     if isinstance(request, ExportTraceServiceRequest):
         return Telemetry(spans=_spans(request))
-    return Telemetry(logs=_logs(request))
+    events, untraced = _logs(request)
+    return Telemetry(logs=events, untraced=untraced)
 
 
 # --------------------------------------------------------------------------- parsing
@@ -210,8 +212,10 @@ def _span(span: PbSpan, where: str, resource: dict[str, Any], scope: str) -> Spa
     )
 
 
-def _logs(request: ExportLogsServiceRequest) -> list[LogEvent]:
+def _logs(request: ExportLogsServiceRequest) -> tuple[list[LogEvent], list[SpanEvent]]:
+    """The trace-bound log events, and the evaluation results that name no trace."""
     events: list[LogEvent] = []
+    untraced: list[SpanEvent] = []
     records = 0
     for resource_logs in request.resource_logs:
         resource = attributes(resource_logs.resource.attributes)
@@ -223,29 +227,27 @@ def _logs(request: ExportLogsServiceRequest) -> list[LogEvent]:
                     record.trace_id, _TRACE_ID_BYTES, where, "trace id", required=False
                 )
                 span_id = _hex_id(record.span_id, _SPAN_ID_BYTES, where, "span id", required=False)
-                if not trace_id:
-                    continue  # belongs to no trace (an application log line, say)
                 attrs = attributes(record.attributes)
                 # event_name is a field since OTLP 1.5; earlier emitters set the attribute.
                 name = getattr(record, "event_name", "") or attrs.get("event.name")
-                events.append(
-                    LogEvent(
-                        trace_id=trace_id,
-                        span_id=span_id,
-                        event=SpanEvent(
-                            name=name if isinstance(name, str) else "",
-                            time_ns=record.time_unix_nano or record.observed_time_unix_nano,
-                            attributes=attrs,
-                            body=any_value(record.body) if record.HasField("body") else None,
-                        ),
-                        resource=resource,
-                    )
+                event = SpanEvent(
+                    name=name if isinstance(name, str) else "",
+                    time_ns=record.time_unix_nano or record.observed_time_unix_nano,
+                    attributes=attrs,
+                    body=any_value(record.body) if record.HasField("body") else None,
                 )
+                if trace_id:
+                    events.append(
+                        LogEvent(trace_id=trace_id, span_id=span_id, event=event, resource=resource)
+                    )
+                elif event.name == EVALUATION_EVENT:
+                    untraced.append(event)
+                # else: an application log line, say, which belongs to no trace
     if not records:
         raise DecodeError(
             "the ExportLogsServiceRequest carries no log record (a truncated message?)"
         )
-    return events
+    return events, untraced
 
 
 def any_value(value: AnyValue) -> Any:

@@ -45,8 +45,14 @@ from msgspec import Struct
 from combee_stream.config import IngestConfig
 from combee_stream.engine.offsets import PartitionOffsets
 from combee_stream.errors import DecodeError
-from combee_stream.formats.genai import evaluations, prompt_key, root_span, trace_from_spans
-from combee_stream.formats.spans import LogEvent, Span, Telemetry
+from combee_stream.formats.genai import (
+    evaluation_errors,
+    evaluations,
+    prompt_key,
+    root_span,
+    trace_from_spans,
+)
+from combee_stream.formats.spans import EVALUATION_EVENT, LogEvent, Span, Telemetry
 from combee_stream.schemas import Feedback, FeedbackRecord, Trace, encode
 
 # A message's place: (topic, partition, offset).
@@ -61,7 +67,7 @@ NO_FEEDBACK: Final = Feedback(
 
 # A trace rejected as a whole; then input rejected on its own (late for a decided trace).
 TraceRejection = Literal["no_root", "span_flood", "unmappable", "orphan_feedback", "no_feedback"]
-RejectionKind = Literal[TraceRejection, "late_feedback", "late_span"]
+RejectionKind = Literal[TraceRejection, "late_feedback", "late_span", "untraced_feedback"]
 # What became of a trace (late input changes nothing: it is rejected on its own).
 Outcome = Literal["written", TraceRejection]
 
@@ -81,6 +87,7 @@ class Written(Struct, frozen=True, kw_only=True):
     value: bytes  # the trace encoded, as written (checked against the size limit)
     mark: TraceMark
     feedback_items: int  # how many feedback items were combined into it (0: none came)
+    evaluation_errors: list[str] = []  # evaluations that gave no result (error.type, "empty")
     assembly_s: float  # from its first span to now
 
 
@@ -93,6 +100,7 @@ class Rejected(Struct, frozen=True, kw_only=True):
     key: str | None  # the prompt key, when known
     payload: bytes  # what was held, as JSON (the spans, events and feedback)
     mark: TraceMark | None = None  # its state-topic record, written with the dead letter
+    source: Ref | None = None  # the one message it comes from, when it is one message's
 
 
 class _Open:
@@ -269,14 +277,28 @@ class Assembler:
         self, telemetry: Telemetry, ref: Ref, now: float, timestamp: float = -math.inf
     ) -> list[Rejected]:
         """The spans and log events of one message (``timestamp``: the record's, in seconds).
-        Returns what is rejected at once (input for a trace already written or rejected)."""
+        Returns what is rejected at once (input for a trace already written or rejected, and
+        evaluation results that name no trace)."""
         self._read(ref)
+        rejected: list[Rejected] = []
+        if telemetry.untraced:
+            n = len(telemetry.untraced)
+            rejected.append(
+                Rejected(
+                    kind="untraced_feedback",
+                    reason=f"{n} {EVALUATION_EVENT} log record(s) carry no trace id: they "
+                    "cannot join a trace (emit them in the evaluated span's context)",
+                    trace_id="",
+                    key=None,
+                    payload=msgspec.json.encode({"logs": telemetry.untraced}),
+                    source=ref,
+                )
+            )
         by_trace: dict[str, tuple[list[Span], list[LogEvent]]] = {}
         for span in telemetry.spans:
             by_trace.setdefault(span.trace_id, ([], []))[0].append(span)
         for log in telemetry.logs:
             by_trace.setdefault(log.trace_id, ([], []))[1].append(log)
-        rejected: list[Rejected] = []
         flooded: list[_Open] = []
         for trace_id, (spans, logs) in by_trace.items():
             late = self._late(trace_id, ref, spans, logs, [])
@@ -343,7 +365,7 @@ class Assembler:
         seen = self._decided.setdefault(trace_id, {})
         seen[(topic, partition)] = max(seen.get((topic, partition), -1), offset)
         mark = _mark(seen, decided)
-        has_feedback = bool(feedback) or bool(evaluations(spans, logs))
+        has_feedback = bool(feedback) or any(log.event.name == EVALUATION_EVENT for log in logs)
         kind: RejectionKind = "late_feedback" if has_feedback and not spans else "late_span"
         what = "feedback" if kind == "late_feedback" else "spans"
         reason = (
@@ -442,6 +464,7 @@ class Assembler:
             value=value,
             mark=mark,
             feedback_items=len(items),
+            evaluation_errors=evaluation_errors(spans, entry.logs),
             assembly_s=now - entry.first_seen,
         )
 

@@ -50,6 +50,13 @@ class IngestMetrics:
             "Traces written without feedback (none came within ingest.feedback_wait_s)",
             registry=r,
         )
+        self.evaluation_errors = Counter(
+            "combee_ingest_evaluation_errors",
+            "gen_ai.evaluation.result events of written traces that gave no result: the "
+            "evaluator failed (error) or said nothing (empty); not feedback",
+            ["kind"],
+            registry=r,
+        )
         self.pauses = Counter(
             "combee_ingest_pauses", "Times input paused at ingest.max_open_traces", registry=r
         )
@@ -97,6 +104,8 @@ class IngestMetrics:
             self.traces_out.inc()
             self.assembly.observe(item.assembly_s)
             (self.feedback_joined if item.feedback_items else self.without_feedback).inc()
+            for error in item.evaluation_errors:
+                self.evaluation_errors.labels("empty" if error == "empty" else "error").inc()
         elif isinstance(item, Rejected):
             self.rejected.labels(item.kind).inc()
         else:

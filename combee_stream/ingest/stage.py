@@ -307,19 +307,27 @@ class IngestStage:
         committed.update(offsets)
         for item in items:
             self.metrics.observe(item)
+            if isinstance(item, Written) and item.evaluation_errors:
+                # Not an outcome (the run is learned without them), yet worth knowing once.
+                log.warning(
+                    "evaluations gave no result",
+                    trace_id=item.trace.trace_id,
+                    errors=item.evaluation_errors,
+                )
 
 
 def _letter(item: Rejected) -> DeadLetter:
     """A rejection as a dead letter: what was held (spans, events, feedback) as JSON, keyed by
     its prompt key when known (else its trace id), with the rejection kind in the reason."""
-    key = (item.key or item.trace_id).encode()
+    topic, partition, offset = item.source or ("", -1, -1)
+    key = item.key or item.trace_id
     return DeadLetter(
         reason=f"{item.kind}: {item.reason}",
         stage=STAGE,
-        topic="",
-        partition=-1,
-        offset=-1,
-        key=key,
+        topic=topic,
+        partition=partition,
+        offset=offset,
+        key=key.encode() if key else None,
         value=item.payload,
     )
 
