@@ -245,8 +245,8 @@ class IngestConfig(_Section):
     max_open_traces: Positive = 10_000
     # A trace with more spans than this is dead-lettered (a span flood bounds no memory else).
     max_spans_per_trace: Positive = 2_000
-    # How long a complete trace waits for feedback that arrives later, and feedback for its
-    # trace. 0: a trace is written as soon as it is complete.
+    # How long a complete trace waits for feedback that arrives later (every item until then
+    # is combined; a FeedbackRecord is final: written at once). 0: written once complete.
     feedback_wait_s: Annotated[float, Meta(ge=0)] = 0.0
     # A trace whose feedback never came: learned without it (ACE learns from the trajectory
     # alone) or dead-lettered.

@@ -37,6 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from combee_stream.config import Config
 from combee_stream.engine import Engine
 from combee_stream.ingest import IngestStage
+from combee_stream.ingest.assembler import NO_FEEDBACK
 from combee_stream.kafka.dlq import H_ERROR, H_OFFSET, H_PARTITION, H_STAGE, H_TOPIC
 from combee_stream.kafka.producer import TraceProducer, make_producer
 from combee_stream.kafka.reader import read_to_end, reading_consumer
@@ -651,6 +652,49 @@ async def test_evaluation_log_records_on_the_logs_topic_join_their_trace_and_non
     assert letter_sources([letter]) == Counter({(cfg.ingest.logs_topic, 1, 0): 1})
     assert sample(stage, "combee_ingest_evaluation_errors_total", kind="error") == 1
     assert sample(stage, "combee_ingest_rejected_total", kind="untraced_feedback") == 1
+
+
+@pytest.mark.anyio
+async def test_feedback_within_the_wait_is_combined_and_a_verdict_after_writing_is_late(
+    config: Config, unique: str
+) -> None:
+    """ingest.feedback_wait_s = 3: trace A's two evaluations, the second sent after A is
+    complete, are combined; trace B, whose feedback never came in time, is written without it,
+    and the FeedbackRecord sent for it afterwards is dead-lettered as late_feedback."""
+    cfg = ingest_config(engine_config(config, unique, "http://127.0.0.1:9"), unique)
+    cfg = msgspec.structs.replace(
+        cfg, ingest=msgspec.structs.replace(cfg.ingest, feedback_wait_s=3.0)
+    )
+    a, b = otel_agent.openinference_run("What is 6 * 7?"), otel_agent.openinference_run("2 + 2?")
+
+    def evaluation(name: str, score: float, label: str) -> bytes:
+        records = otel_agent.evaluation_records(a.root, name=name, score=score, label=label)
+        return otel_agent.encode_logs_proto(records)
+
+    stage = IngestStage(cfg)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(stage.run)
+        await stage.started.wait()
+        spans = [(None, encode(r.spans, "otlp_proto"), i) for i, r in enumerate([a, b])]
+        await send_records(cfg, cfg.ingest.spans_topic, spans)
+        await send_records(
+            cfg, cfg.ingest.logs_topic, [(None, evaluation("judge", 1.0, "pass"), 0)]
+        )
+        await anyio.sleep(1.5)  # A is complete (gap_s 0.5) and waits until 3 s after that
+        await send_records(cfg, cfg.ingest.logs_topic, [(None, evaluation("rule", 0.0, "fail"), 1)])
+        traces = {t.trace_id: t for t in await wait_for_traces(cfg, 2)}
+        async with TraceProducer(cfg.kafka) as producer:
+            late = FeedbackRecord(key="oi-agent", trace_id=b.trace_id, feedback=Feedback(score=1))
+            await producer.send_feedback(late)
+        [letter] = await wait_for_letters(cfg, 1)
+        stage.stop()
+    assert traces[a.trace_id].feedback == Feedback(
+        score=0.5, passed=False, text="judge (pass)\nrule (fail)"
+    )
+    assert traces[b.trace_id].feedback == NO_FEEDBACK
+    reason = dict(letter.headers)[H_ERROR].decode()
+    assert reason.startswith("late_feedback") and "already written without it" in reason
+    assert b.trace_id in reason and letter.key == b.trace_id.encode()
 
 
 otelcol_binary = otel_support.otelcol_binary  # the session fixture, for this module

@@ -110,15 +110,20 @@ def test_feedback_before_with_and_after_the_spans() -> None:
     # After: trace 3 is complete first, its evaluation comes within the wait.
     a.add_telemetry(Telemetry(spans=agent_spans(3)), (T, 0, 2), now=0.5)
     done = {o.trace.trace_id: o for o in written(a.due(1.5))}
-    assert set(done) == {trace_id(1), trace_id(2)}, "trace 3 waits for its feedback"
+    assert set(done) == {trace_id(1)}, "a FeedbackRecord is final; evaluations wait for more"
     assert done[trace_id(1)].trace.feedback == Feedback(score=1.0, ground_truth="42")
-    assert done[trace_id(2)].trace.feedback.passed is False
     a.add_telemetry(Telemetry(logs=[evaluation(3, 1.0, "pass")]), ("otlp_logs", 0, 0), now=2.0)
-    [late] = written(a.due(2.5))
-    assert late.trace.feedback.passed is True and late.feedback_items == 1
+    # A second evaluation of trace 2 after it is complete, within the wait: combined.
+    a.add_telemetry(Telemetry(logs=[evaluation(2, 1.0, "pass")]), ("otlp_logs", 0, 1), now=3.0)
+    assert written(a.due(4.4)) == [], "complete at 1.5, both wait until 4.5"
+    done = {o.trace.trace_id: o for o in written(a.due(4.5))}
+    assert set(done) == {trace_id(2), trace_id(3)}
+    assert done[trace_id(2)].trace.feedback.passed is False, "one of the two says fail"
+    assert done[trace_id(2)].trace.feedback.score == 0.5 and done[trace_id(2)].feedback_items == 2
+    assert done[trace_id(3)].trace.feedback.passed is True and done[trace_id(3)].feedback_items == 1
     # Feedback for a trace already written is dead-lettered, never joined (learned once).
     again = FeedbackRecord(key="support", trace_id=trace_id(3), feedback=Feedback(passed=False))
-    [rejected] = a.add_feedback(again, ("combee.feedback", 0, 1), now=3.0)
+    [rejected] = a.add_feedback(again, ("combee.feedback", 0, 1), now=5.0)
     assert rejected.kind == "late_feedback" and "already written" in rejected.reason
 
 

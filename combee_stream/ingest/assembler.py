@@ -2,9 +2,18 @@
 
 The ingest stage feeds every decoded message in with the message's place (topic, partition,
 offset) and asks, now and then, what is due. A trace is *complete* when its root span has ended
-and none of its spans arrived for ``ingest.gap_s``; it is then written with the feedback it has,
-or waits up to ``ingest.feedback_wait_s`` for feedback that comes later. Anything that cannot
-become a trace is a rejection (dead-lettered by the stage), never dropped:
+and none of its spans arrived for ``ingest.gap_s``. The feedback join:
+
+- With ``ingest.feedback_wait_s`` 0 a complete trace is written at once, with the feedback that
+  came before.
+- Else a complete trace waits ``feedback_wait_s`` after completing, and every feedback item
+  that arrives until it is written is combined (see below): several evaluators may each send a
+  ``gen_ai.evaluation.result`` (or an OpenInference annotation) in that time.
+- A ``FeedbackRecord`` is final: the application's own verdict on the run, sent once it knows
+  the outcome (one per run, combining what it knows). A complete trace that has one is written
+  at once, with the items that came before it; an item after that is ``late_feedback``.
+
+Anything that cannot become a trace is a rejection (dead-lettered by the stage), never dropped:
 
 - no root span ``trace_timeout_s`` after the first span (``no_root``), or more spans than
   ``max_spans_per_trace`` (``span_flood``), or spans the mapping cannot read (``unmappable``);
@@ -413,7 +422,8 @@ class Assembler:
             assert entry.complete_at is not None
             spans = list(entry.spans.values())
             items = [*evaluations(spans, entry.logs), *entry.feedback]
-            if not items and now - entry.complete_at < s.feedback_wait_s:
+            final = bool(entry.feedback)  # a FeedbackRecord: nothing more is expected
+            if not final and now - entry.complete_at < s.feedback_wait_s:
                 continue
             out.append(self._finish(entry, items, now))
         return out
