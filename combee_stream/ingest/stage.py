@@ -17,10 +17,13 @@ Choices the design leaves open, recorded here:
   numbers do not fence each other, so a zombie (paused past its session timeout) could write a
   trace its successor writes too; the engine skips a trace id its key has already seen
   (``engine.dedup_horizon``), so such a trace is still learned once.
-- Spans of one trace must reach one instance: with several instances, run the Collector's
-  Kafka exporter with ``partition_traces_by_id`` (all spans of a trace in one partition, keyed
-  by trace id) and key feedback by trace id (``TraceProducer.send_feedback`` does), with the
-  same partition count on the spans, logs and feedback topics. One instance reads them all.
+- Spans, log records and feedback of one trace must reach one instance: with several
+  instances, run the Collector's Kafka exporter with ``partition_traces_by_id`` and
+  ``partition_logs_by_trace_id`` (keyed by the hex trace id) and
+  ``record_partitioner: {sticky_key: {hasher: murmur2}}``: its default hasher (``sarama_compat``,
+  FNV-1a) puts a key in another partition than ``TraceProducer.send_feedback``, which keys by
+  trace id with aiokafka's murmur2; the same partition count on the spans, logs and feedback
+  topics. One instance reads them all.
 - Past ``ingest.max_open_traces`` (open traces with spans) the stage pauses the spans topic
   until traces complete or time out (``trace_timeout_s`` bounds how long that takes), so memory
   stays bounded. The logs and feedback topics go on: the traces waiting are those that need
