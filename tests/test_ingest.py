@@ -749,6 +749,61 @@ async def test_through_the_real_collector_agents_get_a_new_prompt_version(
 
 
 @pytest.mark.anyio
+@pytest.mark.timeout(900)  # the collector's first build, when `make otelcol-prepare` has not run
+async def test_the_pydantic_ai_example_file_is_learned_from_through_a_real_collector(
+    otelcol_binary: Path, config: Config, unique: str
+) -> None:
+    """examples/pydantic_ai_agent.py itself, as a process (configured by its environment: the
+    simulator as OPENAI_BASE_URL, the real Collector as OTEL_EXPORTER_OTLP_ENDPOINT, COMBEE__*
+    for the broker): its runs become traces keyed support-bot and a new prompt version."""
+    tasks = sim_tasks(2, keys=1, lessons=2, seed=SEED)
+    async with sim_server(SimSettings(seed=SEED)) as sim:
+        cfg = engine_config(config, unique, sim.base_url, batch_size=2, max_wait_s=0.5)
+        cfg = ingest_config(cfg, unique)
+        stage, engine = IngestStage(cfg), Engine(cfg)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stage.run)
+            tg.start_soon(engine.run)
+            await stage.started.wait()
+            with run_collector(
+                cfg.kafka.bootstrap_servers,
+                encoding="otlp_proto",
+                partition_traces_by_id=True,
+                traces_topic=cfg.ingest.spans_topic,
+                logs_topic=cfg.ingest.logs_topic,
+                binary=otelcol_binary,
+            ) as collector:
+                env = {
+                    k: v
+                    for k, v in os.environ.items()
+                    if not k.startswith(("COMBEE__", "OTEL_", "OPENAI_"))
+                }
+                env.update(ingest_env(cfg))
+                env.update(
+                    OPENAI_BASE_URL=sim.base_url,
+                    OPENAI_API_KEY="sim",
+                    OTEL_EXPORTER_OTLP_ENDPOINT=collector.http_endpoint,
+                    PYTHONPATH=str(REPO),  # this checkout's combee_stream, not an installed one
+                )
+                # The simulator's agent role reads its question from a <question> block.
+                questions = [otel_agent.question(t.question) for t in tasks]
+                example = [sys.executable, str(REPO / "examples" / "pydantic_ai_agent.py")]
+                done = await anyio.run_process(
+                    [*example, *questions], env=env, cwd=REPO, check=False
+                )
+                assert done.returncode == 0, done.stderr.decode()[-3000:]
+                traces = await wait_for_traces(cfg, len(tasks))
+                updates = await wait_until_learned(cfg, {"support-bot": len(tasks)}, 120)
+            stage.stop()
+            engine.stop()
+    assert [(t.key, t.prompt_version) for t in traces] == [("support-bot", 0)] * len(tasks)
+    assert sorted(t.task for t in traces) == sorted(questions), "the user message, not the prompt"
+    assert all(t.metadata["agent"] == "support-bot" and t.output for t in traces)
+    newest = max(updates, key=lambda u: u.version)
+    assert newest.version >= 1 and newest.stats.traces_learned == len(tasks)
+
+
+@pytest.mark.anyio
 async def test_a_pydantic_ai_agent_is_learned_from_with_only_the_span_processor(
     config: Config, unique: str
 ) -> None:
