@@ -15,6 +15,8 @@ import msgspec
 import pytest
 from google.protobuf.json_format import MessageToDict
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.trace import SpanContext
 from otel_agent import (
     TOOL_ARGUMENTS,
     TOOL_CALL_ID,
@@ -179,9 +181,24 @@ def test_empty_and_wrong_signal_are_rejected(runs: dict[str, AgentRun]) -> None:
     records = evaluation_records(runs["captured"].spans[0], name="accuracy", score=1.0)
     with pytest.raises(DecodeError, match="OTLP JSON logs, not traces"):
         decode_telemetry(encode_logs_json(records), "otlp_json", "traces")
-    # Logs and traces share field numbers, but not field types: protobuf refuses.
-    with pytest.raises(DecodeError, match="not an OTLP protobuf ExportTraceServiceRequest"):
-        decode_telemetry(encode_logs_proto(records), "otlp_proto", "traces")
+    with pytest.raises(DecodeError, match="OTLP protobuf traces, not logs"):
+        decode_telemetry(encode_proto(runs["captured"].spans), "otlp_proto", "logs")
+
+
+# A log record's trace id (field 9, bytes) is read as a span's attributes (field 9, KeyValues):
+# this id is a valid KeyValue (0x0a 0x0e: a 14-byte key), so protobuf parses the logs request
+# as traces; the other, like most random ids, does not parse. Fixed ids: both cases every run.
+@pytest.mark.parametrize(
+    "trace_id",
+    [0x0A0E6162636465666768696A6B6C6D6E, 0x0123456789ABCDEF0123456789ABCDEF],
+    ids=["parses-as-traces", "does-not-parse"],
+)
+def test_logs_protobuf_on_the_spans_topic_is_named_whatever_its_ids(trace_id: int) -> None:
+    judged = ReadableSpan(name="judged", context=SpanContext(trace_id, 0x1122334455667788, False))
+    value = encode_logs_proto(evaluation_records(judged, name="accuracy", score=1.0))
+    assert decode_telemetry(value, "otlp_proto", "logs").logs[0].trace_id == f"{trace_id:032x}"
+    with pytest.raises(DecodeError, match=r"^OTLP protobuf logs, not traces: read from the wrong"):
+        decode_telemetry(value, "otlp_proto", "traces")
 
 
 def test_bad_ids_are_rejected(runs: dict[str, AgentRun]) -> None:

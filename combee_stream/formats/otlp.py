@@ -18,8 +18,10 @@ bytes as hex). A log record becomes a :class:`LogEvent` named by its ``event_nam
 line is not returned, a ``gen_ai.evaluation.result`` (feedback) is, in ``Telemetry.untraced``.
 
 Anything that is not such a request raises :class:`DecodeError` with a one-line reason: bytes
-protobuf cannot parse (a truncated message), a span without a 16-byte trace id or an 8-byte span
-id, or a request that carries no span (no log record) at all.
+protobuf cannot parse (a truncated message), a span or log record with a field of the wrong
+wire type, a span without a 16-byte trace id or an 8-byte span id, or a request that carries no
+span (no log record) at all. The other signal's request (logs read from the spans topic, say) is
+named as such, whatever its ids: ``OTLP protobuf logs, not traces`` (or ``OTLP JSON ...``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from typing import Any, Literal, TypeAlias
 import msgspec
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError as ProtobufDecodeError
+from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
@@ -53,6 +57,7 @@ _RESOURCE = {
 _SCOPE = {"traces": ("scopeSpans", "scope_spans"), "logs": ("scopeLogs", "scope_logs")}
 _ITEMS = {"traces": ("spans",), "logs": ("logRecords", "log_records")}
 _REQUEST = {"traces": "ExportTraceServiceRequest", "logs": "ExportLogsServiceRequest"}
+_OTHER: dict[Signal, Signal] = {"traces": "logs", "logs": "traces"}
 
 
 def decode_telemetry(value: bytes, encoding: Encoding, kind: Signal) -> Telemetry:
@@ -60,15 +65,37 @@ def decode_telemetry(value: bytes, encoding: Encoding, kind: Signal) -> Telemetr
     if not value:
         raise DecodeError(f"empty value: not an OTLP {_REQUEST[kind]}")
     if encoding == "otlp_proto":
-        request = _parse_proto(value, kind)
-    elif encoding == "otlp_json":
-        request = _parse_json(value, kind)
-    else:
-        raise DecodeError(f"unknown OTLP encoding {encoding!r} (otlp_proto or otlp_json)")
+        try:
+            return _telemetry(_parse_proto(value, kind))
+        except DecodeError:
+            # Logs and traces share field numbers, so protobuf may or may not parse the one as
+            # the other (it depends on the bytes of the ids); which error that gives is chance.
+            # The other signal's request, read cleanly, is named as such instead.
+            other = _OTHER[kind]
+            if _reads_as(value, other):
+                raise DecodeError(
+                    f"OTLP protobuf {other}, not {kind}: read from the wrong topic?"
+                ) from None
+            raise
+    if encoding == "otlp_json":
+        return _telemetry(_parse_json(value, kind))
+    raise DecodeError(f"unknown OTLP encoding {encoding!r} (otlp_proto or otlp_json)")
+
+
+def _telemetry(request: ExportTraceServiceRequest | ExportLogsServiceRequest) -> Telemetry:
     if isinstance(request, ExportTraceServiceRequest):
         return Telemetry(spans=_spans(request))
     events, untraced = _logs(request)
     return Telemetry(logs=events, untraced=untraced)
+
+
+def _reads_as(value: bytes, kind: Signal) -> bool:
+    """Whether ``value`` is a valid protobuf request of ``kind``."""
+    try:
+        _telemetry(_parse_proto(value, kind))
+    except DecodeError:
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------- parsing
@@ -173,13 +200,28 @@ def _hex_id(raw: bytes, size: int, where: str, field: str, *, required: bool) ->
     return raw.hex()
 
 
+def _check_wire_types(message: Message, where: str) -> None:
+    """A known field number among the unknown fields is a field of the wrong wire type: protobuf
+    keeps it aside, silently. A span and a log record differ so at once (field 1 is a span's
+    trace id, bytes, but a log record's time, fixed64); the levels above them do not."""
+    known = message.DESCRIPTOR.fields_by_number
+    for unknown in UnknownFieldSet(message):
+        if unknown.field_number in known:
+            field = known[unknown.field_number].name
+            raise DecodeError(
+                f"{where} has its field {unknown.field_number} ({field}) of the wrong wire type"
+            )
+
+
 def _spans(request: ExportTraceServiceRequest) -> list[Span]:
     spans: list[Span] = []
     for resource_spans in request.resource_spans:
         resource = attributes(resource_spans.resource.attributes)
         for scope_spans in resource_spans.scope_spans:
             for span in scope_spans.spans:
-                spans.append(_span(span, f"span {len(spans)}", resource, scope_spans.scope.name))
+                where = f"span {len(spans)}"
+                _check_wire_types(span, where)
+                spans.append(_span(span, where, resource, scope_spans.scope.name))
     if not spans:
         raise DecodeError("the ExportTraceServiceRequest carries no span (a truncated message?)")
     return spans
@@ -223,6 +265,7 @@ def _logs(request: ExportLogsServiceRequest) -> tuple[list[LogEvent], list[SpanE
             for record in scope_logs.log_records:
                 where = f"log record {records}"
                 records += 1
+                _check_wire_types(record, where)
                 trace_id = _hex_id(
                     record.trace_id, _TRACE_ID_BYTES, where, "trace id", required=False
                 )
