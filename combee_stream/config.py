@@ -257,6 +257,35 @@ class IngestConfig(_Section):
         default_factory=lambda: ["combee.prompt.key", "gen_ai.agent.name", "service.name"]
     )
     version_attribute: str = "combee.prompt.version"
+    # An evaluation's or annotation's label that says the run passed / failed (compared
+    # lowercased, spaces and dashes as underscores); any other label leaves `passed` unset.
+    pass_labels: list[str] = field(
+        default_factory=lambda: [
+            "pass",
+            "passed",
+            "correct",
+            "true",
+            "yes",
+            "success",
+            "succeeded",
+            "relevant",
+            "good",
+        ]
+    )
+    fail_labels: list[str] = field(
+        default_factory=lambda: [
+            "fail",
+            "failed",
+            "incorrect",
+            "false",
+            "no",
+            "failure",
+            "not_relevant",
+            "irrelevant",
+            "bad",
+            "wrong",
+        ]
+    )
     # Step contents longer than this are cut (the engine's budgets count the whole trace).
     max_step_chars: Positive = 4_000
     # `ingest otel` alone serves /metrics, /healthz and /readyz here (on engine.metrics_host;

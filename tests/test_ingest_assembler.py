@@ -12,6 +12,7 @@ import msgspec
 import pytest
 
 from combee_stream.config import IngestConfig
+from combee_stream.formats.phoenix import Annotated, decode_annotations
 from combee_stream.formats.spans import LogEvent, Span, SpanEvent, Telemetry
 from combee_stream.ingest.assembler import NO_FEEDBACK, Assembler, Rejected, TraceMark, Written
 from combee_stream.schemas import Feedback, FeedbackRecord
@@ -231,3 +232,61 @@ def test_a_rejection_forgotten_from_the_recent_memory_has_its_mark_deleted() -> 
         a.add_telemetry(Telemetry(spans=[agent_spans(n)[0]]), (T, 0, n), now=0.0)
     assert {r.kind for r in a.due(10.0) if isinstance(r, Rejected)} == {"no_root"}
     assert a.settled({(T, 0): 3}) == [trace_id(1)], "trace 1 fell out of the memory of 1"
+
+
+def annotation(on: str, ident: str, name: str, label: str, identifier: str = "") -> Annotated:
+    value = json.dumps(
+        {
+            "data": [
+                {
+                    f"{on}_id": ident,
+                    "name": name,
+                    "annotator_kind": "HUMAN",
+                    "result": {"label": label},
+                    "identifier": identifier,
+                }
+            ]
+        }
+    ).encode()
+    [item] = decode_annotations(value, SETTINGS)
+    return item
+
+
+def test_span_and_trace_annotations_join_their_trace() -> None:
+    settings = msgspec.structs.replace(SETTINGS, feedback_wait_s=3.0)
+    a = Assembler(settings)
+    chat, root = agent_spans(1)
+    fb = "combee.feedback"
+    # Before its span: the span annotation waits for it (and holds its offset).
+    assert (
+        a.add_annotations([annotation("span", chat.span_id, "tone", "bad")], (fb, 0, 0), 0.0) == []
+    )
+    a.add_telemetry(Telemetry(spans=[chat, root]), (T, 0, 0), now=0.5)
+    # After: a trace annotation, and one on the root span upserted by a second one.
+    a.add_annotations([annotation("trace", trace_id(1), "correctness", "correct")], (fb, 0, 1), 2.0)
+    a.add_annotations([annotation("span", root.span_id, "review", "fail", "u1")], (fb, 0, 2), 2.0)
+    a.add_annotations([annotation("span", root.span_id, "review", "pass", "u1")], (fb, 0, 3), 2.1)
+    assert a.committable() == {(T, 0): 0, (fb, 0): 0}, "all held by the open trace"
+    [out] = a.due(4.5)
+    assert isinstance(out, Written) and out.feedback_items == 3, "the upserted one replaced"
+    assert out.trace.feedback == Feedback(
+        passed=False,  # "tone" says bad
+        text="tone (bad, HUMAN)\ncorrectness (correct, HUMAN)\nreview (pass, HUMAN)",
+    )
+    assert a.committable() == {(T, 0): 1, (fb, 0): 4}
+    # On a span of the written trace: late, never joined.
+    [late] = a.add_annotations([annotation("span", chat.span_id, "x", "pass")], (fb, 0, 4), 5.0)
+    assert late.kind == "late_feedback" and trace_id(1) in late.reason
+
+
+def test_an_annotation_whose_span_never_comes_is_dead_lettered() -> None:
+    a = Assembler(SETTINGS)
+    fb = "combee.feedback"
+    item = annotation("span", "00000000000000ff", "tone", "bad")
+    assert a.add_annotations([item], (fb, 0, 0), now=0.0) == []
+    assert a.due(9.9) == [] and a.committable() == {(fb, 0): 0}
+    [out] = a.due(10.0)  # trace_timeout_s
+    assert isinstance(out, Rejected) and out.kind == "orphan_feedback"
+    assert "annotation 'tone' for span 00000000000000ff" in out.reason
+    assert out.source == (fb, 0, 0) and b'"tone (bad, HUMAN)"' in out.payload
+    assert a.committable() == {(fb, 0): 1}, "done with its dead letter"

@@ -502,7 +502,7 @@ def test_evaluations_from_span_events_and_log_records(runs: dict[str, AgentRun])
         assert logs[0].trace_id == run.trace_id
         assert logs[0].span_id == format(chat.get_span_context().span_id, "016x")
         assert logs[0].resource["service.name"] == "evaluator"
-        feedback = evaluations(spans, logs)
+        feedback = evaluations(spans, logs, SETTINGS)
         assert feedback == [
             Feedback(score=0.0, passed=False, text="correctness (incorrect): off by one"),
             Feedback(text="judge (timeout)"),  # a label that says neither pass nor fail

@@ -17,9 +17,10 @@ Anything that cannot become a trace is a rejection (dead-lettered by the stage),
 
 - no root span ``trace_timeout_s`` after the first span (``no_root``), or more spans than
   ``max_spans_per_trace`` (``span_flood``), or spans the mapping cannot read (``unmappable``);
-- feedback (evaluation events, FeedbackRecords) for a trace no span of which arrived in time
-  (``orphan_feedback``), or for a trace already written (``late_feedback``: the trace was
-  learned without it, and a trace is never learned twice);
+- feedback (evaluation events, annotations, FeedbackRecords) for a trace no span of which
+  arrived in time (``orphan_feedback``; a span annotation whose span did not arrive in time
+  too), or for a trace already written (``late_feedback``: the trace was learned without it,
+  and a trace is never learned twice);
 - spans of a trace already written (``late_span``);
 - a complete trace whose feedback never came while ``learn_without_feedback`` is off
   (``no_feedback``).
@@ -35,6 +36,11 @@ that comes later is late (a rejected trace's late root is ``late_span``, never a
 written trace's mark is deleted once no read-again can reach it (late input for it then
 starts a trace that has no root: ``no_root``); a rejection's mark stays while the decision is
 among the ``recent`` remembered (100,000), so the answer to late input survives restarts.
+
+A span annotation (:mod:`combee_stream.formats.phoenix`) joins the trace of its span: the
+assembler knows the span ids of open traces, and of the last ``recent_spans`` (100,000) spans
+of decided traces (an annotation for one of those is ``late_feedback``). One whose span has not
+been read waits for it, as feedback waits for its trace, up to ``trace_timeout_s``.
 
 Several feedback items for one trace are combined so (:func:`combine_feedback`): the score is
 their mean, ``passed`` is false if any says false (true only if every item that says anything
@@ -61,6 +67,7 @@ from combee_stream.formats.genai import (
     root_span,
     trace_from_spans,
 )
+from combee_stream.formats.phoenix import Annotated
 from combee_stream.formats.spans import EVALUATION_EVENT, LogEvent, Span, Telemetry
 from combee_stream.schemas import Feedback, FeedbackRecord, Trace, encode
 
@@ -116,6 +123,7 @@ class _Open:
     """One trace being assembled."""
 
     __slots__ = (
+        "annotations",
         "complete_at",
         "feedback",
         "first_seen",
@@ -132,6 +140,8 @@ class _Open:
         self.spans: dict[str, Span] = {}
         self.logs: list[LogEvent] = []
         self.feedback: list[Feedback] = []  # FeedbackRecords, in arrival order
+        # Annotations by (span or trace id, name, identifier): a later one replaces (upserts).
+        self.annotations: dict[tuple[str, str, str], Feedback] = {}
         self.refs: set[Ref] = set()
         self.first_seen = now
         self.last_span_at: float | None = None
@@ -145,8 +155,18 @@ class _Open:
                 "spans": list(self.spans.values()),
                 "logs": self.logs,
                 "feedback": self.feedback,
+                "annotations": list(self.annotations.values()),
             }
         )
+
+
+class _Waiting:
+    """A span annotation whose span has not been read (yet)."""
+
+    __slots__ = ("item", "ref", "since")
+
+    def __init__(self, item: Annotated, ref: Ref, since: float) -> None:
+        self.item, self.ref, self.since = item, ref, since
 
 
 def combine_feedback(items: Sequence[Feedback]) -> Feedback | None:
@@ -180,6 +200,7 @@ class Assembler:
         *,
         max_trace_bytes: int = 1_048_576,
         recent: int = 100_000,
+        recent_spans: int = 100_000,
     ) -> None:
         self._s = settings
         self._max_bytes = max_trace_bytes  # a larger trace is rejected (the broker would refuse)
@@ -193,6 +214,12 @@ class Assembler:
         self._recent_cap = recent
         self._forgotten: list[str] = []  # rejections no longer remembered: marks to delete
         self._spanned = 0  # open traces with at least one span
+        # Span id -> trace id, for span annotations: every span of the open traces, and the
+        # newest recent_spans of decided ones; and the annotations whose span is not known yet.
+        self._open_spans: dict[str, str] = {}
+        self._closed_spans: OrderedDict[str, str] = OrderedDict()
+        self._closed_cap = recent_spans
+        self._waiting: dict[str, list[_Waiting]] = {}
 
     # ------------------------------------------------------------------ state
 
@@ -311,10 +338,11 @@ class Assembler:
         flooded: list[_Open] = []
         for trace_id, (spans, logs) in by_trace.items():
             late = self._late(trace_id, ref, spans, logs, [])
-            if late == "again":
-                continue
             if late is not None:
-                rejected.append(late)
+                for span in spans:  # a decided trace: its span annotations are late
+                    self._closed_span(span.span_id, trace_id)
+                if late != "again":
+                    rejected.append(late)
                 continue
             entry = self._entry(trace_id, now)
             self._hold(entry, ref)
@@ -322,6 +350,10 @@ class Assembler:
                 self._spanned += 1
             for span in spans:
                 entry.spans[span.span_id] = span  # a span sent twice counts once
+                self._open_spans[span.span_id] = trace_id
+                for waiting in self._waiting.pop(span.span_id, ()):
+                    self._annotate(trace_id, waiting.item, waiting.ref, now)  # (open: not late)
+                    self._holds[waiting.ref] -= 1  # now held by the trace instead
             entry.logs.extend(logs)
             if spans:
                 entry.last_span_at = now
@@ -349,6 +381,40 @@ class Assembler:
         self._hold(entry, ref)
         entry.feedback.append(record.feedback)
         return []
+
+    def add_annotations(self, items: Sequence[Annotated], ref: Ref, now: float) -> list[Rejected]:
+        """The annotations of one feedback-topic message (a Phoenix annotations body)."""
+        self._read(ref)
+        rejected: list[Rejected] = []
+        for item in items:
+            trace_id = item.id
+            if item.on == "span":
+                known = self._open_spans.get(item.id) or self._closed_spans.get(item.id)
+                if known is None:
+                    self._waiting.setdefault(item.id, []).append(_Waiting(item, ref, now))
+                    self._holds[ref] += 1
+                    continue
+                trace_id = known
+            rejected.extend(self._annotate(trace_id, item, ref, now))
+        self._settle_if_free(ref)
+        return rejected
+
+    def _annotate(self, trace_id: str, item: Annotated, ref: Ref, now: float) -> list[Rejected]:
+        late = self._late(trace_id, ref, [], [], [item.feedback])
+        if late is not None:
+            return [] if late == "again" else [late]
+        entry = self._entry(trace_id, now)
+        self._hold(entry, ref)
+        upsert = (item.id, *item.upsert)
+        entry.annotations.pop(upsert, None)  # the newest in arrival order
+        entry.annotations[upsert] = item.feedback
+        return []
+
+    def _closed_span(self, span_id: str, trace_id: str) -> None:
+        self._closed_spans[span_id] = trace_id
+        self._closed_spans.move_to_end(span_id)
+        while len(self._closed_spans) > self._closed_cap:
+            self._closed_spans.popitem(last=False)
 
     def _late(
         self,
@@ -400,7 +466,7 @@ class Assembler:
         arrive after ``now``) and in record time (catching up a backlog, the spans of a trace
         on a partition read later arrive seconds apart although they were sent together)."""
         s = self._s
-        out: list[Written | Rejected] = []
+        out: list[Written | Rejected] = self._unknown_spans(now)
         for entry in list(self._open.values()):
             quiet = (
                 entry.last_span_at is not None
@@ -421,11 +487,40 @@ class Assembler:
                 continue
             assert entry.complete_at is not None
             spans = list(entry.spans.values())
-            items = [*evaluations(spans, entry.logs), *entry.feedback]
+            items = [
+                *evaluations(spans, entry.logs, s),
+                *entry.annotations.values(),
+                *entry.feedback,
+            ]
             final = bool(entry.feedback)  # a FeedbackRecord: nothing more is expected
             if not final and now - entry.complete_at < s.feedback_wait_s:
                 continue
             out.append(self._finish(entry, items, now))
+        return out
+
+    def _unknown_spans(self, now: float) -> list[Written | Rejected]:
+        """Span annotations whose span did not arrive within ``trace_timeout_s``."""
+        out: list[Written | Rejected] = []
+        timeout = self._s.trace_timeout_s
+        for span_id, waiting in list(self._waiting.items()):
+            for w in [w for w in waiting if now - w.since >= timeout]:
+                waiting.remove(w)
+                out.append(
+                    Rejected(
+                        kind="orphan_feedback",
+                        reason=f"annotation {w.item.upsert[0]!r} for span {span_id}, but no "
+                        f"span with that id arrived within {timeout:g} s "
+                        "(ingest.trace_timeout_s) nor was one read recently",
+                        trace_id="",
+                        key=None,
+                        payload=msgspec.json.encode(w.item),
+                        source=w.ref,
+                    )
+                )
+                self._holds[w.ref] -= 1
+                self._settle_if_free(w.ref)
+            if not waiting:
+                del self._waiting[span_id]
         return out
 
     def _timed_out(self, entry: _Open) -> Rejected:
@@ -498,6 +593,9 @@ class Assembler:
         its mark says so."""
         if self._open.pop(entry.trace_id, None) is not None and entry.spans:
             self._spanned -= 1
+        for span_id in entry.spans:
+            self._open_spans.pop(span_id, None)
+            self._closed_span(span_id, entry.trace_id)
         self._remember(entry.trace_id, decision)
         for ref in entry.refs:
             self._holds[ref] -= 1

@@ -1,6 +1,7 @@
 """The ingest stage: agent telemetry in, native traces keyed by prompt key out, exactly once.
 
-It reads the spans topic (and the logs and feedback topics) as one consumer group, assembles
+It reads the spans topic (and the logs and feedback topics: ``FeedbackRecord``s and Phoenix
+annotations, :mod:`combee_stream.formats.phoenix`) as one consumer group, assembles
 each trace (:mod:`combee_stream.ingest.assembler`) and writes it to the traces topic keyed by
 its prompt key: the repartition step, since spans are keyed by trace id (or not at all) and so
 are not co-partitioned with prompt keys. Each flush is one transaction holding the traces
@@ -46,6 +47,7 @@ from aiokafka.errors import KafkaError, ProducerFenced
 from combee_stream.config import Config
 from combee_stream.errors import BrokerUnavailableError, DecodeError, EngineHalted
 from combee_stream.formats.otlp import decode_telemetry
+from combee_stream.formats.phoenix import decode_annotations, is_annotations
 from combee_stream.ingest.assembler import Assembler, Rejected, TraceMark, Written
 from combee_stream.ingest.metrics import IngestMetrics
 from combee_stream.kafka.client import client_kwargs, start_client, stop_quietly
@@ -247,6 +249,9 @@ class IngestStage:
             return [msgspec.structs.replace(letter, value=value[:65_536])]
         try:
             if record.topic == kafka.feedback_topic:
+                if is_annotations(value):  # a Phoenix annotations body, else a FeedbackRecord
+                    annotations = decode_annotations(value, s)
+                    return list(assembler.add_annotations(annotations, ref, now))
                 feedback = decode(value, FeedbackRecord)
                 return list(assembler.add_feedback(feedback, ref, now))
             signal: Literal["traces", "logs"] = (
