@@ -697,6 +697,59 @@ async def test_feedback_within_the_wait_is_combined_and_a_verdict_after_writing_
     assert b.trace_id in reason and letter.key == b.trace_id.encode()
 
 
+@pytest.mark.anyio
+async def test_phoenix_annotations_on_the_feedback_topic_join_their_trace(
+    config: Config, unique: str
+) -> None:
+    """Phoenix REST annotation bodies on the feedback topic: a span annotation sent before the
+    span it names, and a trace annotation after the trace is complete, are combined into the
+    trace; an annotation of a span that never comes is dead-lettered (orphan_feedback)."""
+    cfg = ingest_config(
+        engine_config(config, unique, "http://127.0.0.1:9"),
+        unique,
+        feedback_wait_s=2.0,
+        trace_timeout_s=4.0,
+    )
+    run = otel_agent.openinference_run("What is 6 * 7?")
+    llm = next(s for s in run.spans if s.name == "ChatCompletion")
+    llm_id = format(llm.get_span_context().span_id, "016x")
+
+    def body(**item: Any) -> bytes:
+        return msgspec.json.encode({"data": [{"annotator_kind": "HUMAN", **item}]})
+
+    on_span = body(
+        span_id=llm_id,
+        name="tool_choice",
+        annotator_kind="LLM",
+        result={"label": "correct", "score": 1.0, "explanation": "calculator was right"},
+    )
+    on_trace = body(trace_id=run.trace_id, name="thumbs", result={"label": "no", "score": 0.0})
+    lost = body(span_id="00000000000000ff", name="thumbs", result={"label": "yes"})
+    key = run.trace_id.encode()
+    stage = IngestStage(cfg)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(stage.run)
+        await stage.started.wait()
+        await send_records(cfg, cfg.kafka.feedback_topic, [(key, on_span, 0), (None, lost, 0)])
+        await send_records(cfg, cfg.ingest.spans_topic, [(key, encode(run.spans, "otlp_proto"), 0)])
+        await anyio.sleep(1.0)  # complete (gap_s 0.5); it waits for feedback 2 s after that
+        await send_records(cfg, cfg.kafka.feedback_topic, [(key, on_trace, 0)])
+        [trace] = await wait_for_traces(cfg, 1)
+        [letter] = await wait_for_letters(cfg, 1)
+        await wait_fully_committed(cfg, 60, cfg.ingest.spans_topic, cfg.kafka.feedback_topic)
+        stage.stop()
+    assert trace.trace_id == run.trace_id and trace.task == "What is 6 * 7?"
+    assert trace.feedback == Feedback(
+        score=0.5,
+        passed=False,  # the user's "no"
+        text="tool_choice (correct, LLM): calculator was right\nthumbs (no, HUMAN)",
+    )
+    reason = dict(letter.headers)[H_ERROR].decode()
+    assert reason.startswith("orphan_feedback: annotation 'thumbs' for span 00000000000000ff")
+    assert letter_sources([letter]) == Counter({(cfg.kafka.feedback_topic, 0, 1): 1})
+    assert sample(stage, "combee_ingest_feedback_joined_total") == 1
+
+
 otelcol_binary = otel_support.otelcol_binary  # the session fixture, for this module
 
 
