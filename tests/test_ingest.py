@@ -9,6 +9,7 @@ with the right key, task, steps and output; the DLQ holds what could not be a tr
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -36,6 +37,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from combee_stream.config import Config
 from combee_stream.engine import Engine
+from combee_stream.formats.genai import trace_from_spans
+from combee_stream.formats.otlp import decode_telemetry
 from combee_stream.ingest import IngestStage
 from combee_stream.ingest.assembler import NO_FEEDBACK
 from combee_stream.kafka.dlq import H_ERROR, H_OFFSET, H_PARTITION, H_STAGE, H_TOPIC
@@ -799,6 +802,56 @@ async def test_through_the_real_collector_agents_get_a_new_prompt_version(
     newest = max(updates, key=lambda u: u.version)
     assert newest.version >= 1 and newest.stats.traces_learned == len(runs)
     assert any(s.bullets for s in newest.playbook.sections), "the lessons reached the prompt"
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(900)  # the collector's first build, when `make otelcol-prepare` has not run
+async def test_the_collectors_otlp_json_is_assembled_as_its_protobuf_would_be(
+    otelcol_binary: Path, config: Config, unique: str
+) -> None:
+    """The real Collector's kafka exporter writing ``otlp_json`` (hex ids, its own JSON of
+    int64s and arrays), read with ``ingest.encoding = "otlp_json"``: each instrumented run is
+    one trace with the key, task, steps and output its spans give in protobuf."""
+    async with sim_server(SimSettings(seed=SEED)) as sim:
+        runs = await agent_runs(sim.base_url, 2, ["calc-json"])
+    cfg = ingest_config(
+        engine_config(config, unique, "http://127.0.0.1:9"), unique, encoding="otlp_json"
+    )
+    stage = IngestStage(cfg)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(stage.run)
+        await stage.started.wait()
+        with run_collector(
+            cfg.kafka.bootstrap_servers,
+            encoding="otlp_json",
+            partition_traces_by_id=True,
+            traces_topic=cfg.ingest.spans_topic,
+            logs_topic=cfg.ingest.logs_topic,
+            binary=otelcol_binary,
+        ) as collector:
+            exporter = OTLPSpanExporter(endpoint=f"{collector.http_endpoint}/v1/traces")
+            for run in runs:
+                result = await anyio.to_thread.run_sync(exporter.export, run.spans)
+                assert result == SpanExportResult.SUCCESS
+            exporter.shutdown()
+            traces = {t.trace_id: t for t in await wait_for_traces(cfg, len(runs))}
+        stage.stop()
+    written = await read_to_end(cfg.kafka, cfg.ingest.spans_topic)
+    assert written and all(b'"resourceSpans"' in r.value for r in written), "the Collector's JSON"
+    assert await dead_letters(cfg) == []
+    assert sorted(traces) == sorted(run.trace_id for run in runs)
+    for run in runs:
+        trace = traces[run.trace_id]
+        assert (trace.key, trace.task) == ("calc-json", run.task)
+        assert [(s.kind, s.name) for s in trace.steps] == [
+            ("message", None),
+            ("tool_call", "calculator"),
+            ("observation", "calculator"),
+            ("message", None),
+        ]
+        assert trace.output and trace.output == json.loads(trace.steps[0].content)["final_answer"]
+        spans = decode_telemetry(encode(run.spans, "otlp_proto"), "otlp_proto", "traces").spans
+        assert trace == trace_from_spans(spans, [], cfg.ingest, feedback=NO_FEEDBACK)
 
 
 @pytest.mark.anyio
