@@ -244,12 +244,13 @@ class IngestConfig(_Section):
     gap_s: PositiveFloat = 5.0
     # A trace with no root span after this long (since its first span) is dead-lettered.
     trace_timeout_s: PositiveFloat = 300.0
-    # Open (not yet written) traces held at once; past it the spans partitions are paused.
+    # Open traces with spans held at once; past it the spans topic's partitions are paused
+    # (the logs and feedback topics are not: the traces waiting need their feedback).
     max_open_traces: Positive = 10_000
     # A trace with more spans than this is dead-lettered (a span flood bounds no memory else).
     max_spans_per_trace: Positive = 2_000
-    # How long a complete trace waits for feedback that arrives later, and feedback for its
-    # trace. 0: a trace is written as soon as it is complete.
+    # How long a complete trace waits for feedback that arrives later (every item until then
+    # is combined; a FeedbackRecord is final: written at once). 0: written once complete.
     feedback_wait_s: Annotated[float, Meta(ge=0)] = 0.0
     # A trace whose feedback never came: learned without it (ACE learns from the trajectory
     # alone) or dead-lettered.
@@ -260,8 +261,40 @@ class IngestConfig(_Section):
         default_factory=lambda: ["combee.prompt.key", "gen_ai.agent.name", "service.name"]
     )
     version_attribute: str = "combee.prompt.version"
+    # An evaluation's or annotation's label that says the run passed / failed (compared
+    # lowercased, spaces and dashes as underscores); any other label leaves `passed` unset.
+    pass_labels: list[str] = field(
+        default_factory=lambda: [
+            "pass",
+            "passed",
+            "correct",
+            "true",
+            "yes",
+            "success",
+            "succeeded",
+            "relevant",
+            "good",
+        ]
+    )
+    fail_labels: list[str] = field(
+        default_factory=lambda: [
+            "fail",
+            "failed",
+            "incorrect",
+            "false",
+            "no",
+            "failure",
+            "not_relevant",
+            "irrelevant",
+            "bad",
+            "wrong",
+        ]
+    )
     # Step contents longer than this are cut (the engine's budgets count the whole trace).
     max_step_chars: Positive = 4_000
+    # `ingest otel` alone serves /metrics, /healthz and /readyz here (on engine.metrics_host;
+    # 0 = none). `run --ingest otel` puts the ingest metrics on the engine's endpoint instead.
+    metrics_port: Annotated[int, Meta(ge=0, le=65535)] = 9465
 
 
 class GateConfig(_Section):

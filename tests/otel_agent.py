@@ -381,6 +381,7 @@ def evaluation_records(
     score: float | None = None,
     label: str | None = None,
     explanation: str | None = None,
+    error_type: str | None = None,
     service_name: str = "evaluator",
 ) -> list[ReadableLogRecord]:
     """One ``gen_ai.evaluation.result`` event emitted through the SDK's LoggerProvider, tied to
@@ -395,6 +396,8 @@ def evaluation_records(
         attributes["gen_ai.evaluation.score.label"] = label
     if explanation is not None:
         attributes["gen_ai.evaluation.explanation"] = explanation
+    if error_type is not None:  # the evaluator failed (no result)
+        attributes["error.type"] = error_type
     context = (
         trace.set_span_in_context(NonRecordingSpan(span.get_span_context()))
         if span is not None

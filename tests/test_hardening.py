@@ -448,7 +448,10 @@ async def test_topics_create_bounds_the_history_and_traces_topics_too(
     finally:
         await admin.close()
     assert limits == [str(cfg.kafka.max_message_bytes)] * 2 and policy == "compact"
-    with pytest.raises(TopicMismatchError, match=r"history topic .* has cleanup\.policy=compact,delete; it must be compact"):
+    with pytest.raises(
+        TopicMismatchError,
+        match=r"history topic .* has cleanup\.policy=compact,delete; it must be compact",
+    ):
         await ensure_topics(compact_delete.kafka)
     with pytest.raises(TopicMismatchError, match=r"traces topic .* at most 500000 bytes"):
         await ensure_topics(small_traces.kafka)

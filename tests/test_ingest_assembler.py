@@ -12,8 +12,9 @@ import msgspec
 import pytest
 
 from combee_stream.config import IngestConfig
+from combee_stream.formats.phoenix import Annotated, decode_annotations
 from combee_stream.formats.spans import LogEvent, Span, SpanEvent, Telemetry
-from combee_stream.ingest.assembler import NO_FEEDBACK, Assembler, Rejected, Written, WrittenMark
+from combee_stream.ingest.assembler import NO_FEEDBACK, Assembler, Rejected, TraceMark, Written
 from combee_stream.schemas import Feedback, FeedbackRecord
 
 T = "spans"
@@ -78,7 +79,7 @@ def test_a_trace_is_written_once_its_root_ended_and_the_gap_passed() -> None:
     trace = out.trace
     assert (trace.key, trace.trace_id, trace.task) == ("support", trace_id(1), "question 1")
     assert trace.output == "answer 1" and trace.feedback == NO_FEEDBACK
-    assert out.mark == WrittenMark(offsets={f"{T}:0": 0, f"{T}:1": 0})
+    assert out.mark == TraceMark(offsets={f"{T}:0": 0, f"{T}:1": 0})
     assert a.committable() == {(T, 0): 1, (T, 1): 1} and a.open_traces == 0
 
 
@@ -110,15 +111,20 @@ def test_feedback_before_with_and_after_the_spans() -> None:
     # After: trace 3 is complete first, its evaluation comes within the wait.
     a.add_telemetry(Telemetry(spans=agent_spans(3)), (T, 0, 2), now=0.5)
     done = {o.trace.trace_id: o for o in written(a.due(1.5))}
-    assert set(done) == {trace_id(1), trace_id(2)}, "trace 3 waits for its feedback"
+    assert set(done) == {trace_id(1)}, "a FeedbackRecord is final; evaluations wait for more"
     assert done[trace_id(1)].trace.feedback == Feedback(score=1.0, ground_truth="42")
-    assert done[trace_id(2)].trace.feedback.passed is False
     a.add_telemetry(Telemetry(logs=[evaluation(3, 1.0, "pass")]), ("otlp_logs", 0, 0), now=2.0)
-    [late] = written(a.due(2.5))
-    assert late.trace.feedback.passed is True and late.feedback_items == 1
+    # A second evaluation of trace 2 after it is complete, within the wait: combined.
+    a.add_telemetry(Telemetry(logs=[evaluation(2, 1.0, "pass")]), ("otlp_logs", 0, 1), now=3.0)
+    assert written(a.due(4.4)) == [], "complete at 1.5, both wait until 4.5"
+    done = {o.trace.trace_id: o for o in written(a.due(4.5))}
+    assert set(done) == {trace_id(2), trace_id(3)}
+    assert done[trace_id(2)].trace.feedback.passed is False, "one of the two says fail"
+    assert done[trace_id(2)].trace.feedback.score == 0.5 and done[trace_id(2)].feedback_items == 2
+    assert done[trace_id(3)].trace.feedback.passed is True and done[trace_id(3)].feedback_items == 1
     # Feedback for a trace already written is dead-lettered, never joined (learned once).
     again = FeedbackRecord(key="support", trace_id=trace_id(3), feedback=Feedback(passed=False))
-    [rejected] = a.add_feedback(again, ("combee.feedback", 0, 1), now=3.0)
+    [rejected] = a.add_feedback(again, ("combee.feedback", 0, 1), now=5.0)
     assert rejected.kind == "late_feedback" and "already written" in rejected.reason
 
 
@@ -199,3 +205,88 @@ def test_catching_up_a_backlog_a_trace_waits_for_the_partitions_behind_it() -> N
     assert a.due(5.0, watermark=100.5) == [], "a lagging partition is at record time 100.5"
     [out] = a.due(5.0, watermark=101.0)
     assert isinstance(out, Written)
+
+
+def test_a_rejection_read_again_after_a_restart_is_not_rejected_twice_nor_written() -> None:
+    a = Assembler(SETTINGS)
+    chat, root = agent_spans(1)
+    a.add_telemetry(Telemetry(spans=[chat]), (T, 0, 3), now=0.0)
+    [no_root] = a.due(10.0)
+    assert isinstance(no_root, Rejected) and no_root.kind == "no_root"
+    assert no_root.mark == TraceMark(offsets={f"{T}:0": 3}, outcome="no_root")
+    # A crash before offset 3 was committed: the mark is read back, offset 3 again.
+    b = Assembler(SETTINGS)
+    b.restore(trace_id(1), no_root.mark)
+    b.start_at(T, 0, 3)
+    assert b.add_telemetry(Telemetry(spans=[chat]), (T, 0, 3), now=0.0) == [], "read again"
+    [late] = b.add_telemetry(Telemetry(spans=[root]), (T, 0, 4), now=0.5)
+    assert late.kind == "late_span" and "dead-lettered (no_root)" in late.reason
+    assert late.mark == TraceMark(offsets={f"{T}:0": 4}, outcome="no_root"), "covers offset 4"
+    assert b.due(20.0) == [] and b.open_traces == 0 and b.committable() == {(T, 0): 5}
+    assert b.settled({(T, 0): 5}) == [], "a rejection's mark stays while it is remembered"
+
+
+def test_a_rejection_forgotten_from_the_recent_memory_has_its_mark_deleted() -> None:
+    a = Assembler(SETTINGS, recent=1)
+    for n in (1, 2):
+        a.add_telemetry(Telemetry(spans=[agent_spans(n)[0]]), (T, 0, n), now=0.0)
+    assert {r.kind for r in a.due(10.0) if isinstance(r, Rejected)} == {"no_root"}
+    assert a.settled({(T, 0): 3}) == [trace_id(1)], "trace 1 fell out of the memory of 1"
+
+
+def annotation(on: str, ident: str, name: str, label: str, identifier: str = "") -> Annotated:
+    value = json.dumps(
+        {
+            "data": [
+                {
+                    f"{on}_id": ident,
+                    "name": name,
+                    "annotator_kind": "HUMAN",
+                    "result": {"label": label},
+                    "identifier": identifier,
+                }
+            ]
+        }
+    ).encode()
+    [item] = decode_annotations(value, SETTINGS)
+    return item
+
+
+def test_span_and_trace_annotations_join_their_trace() -> None:
+    settings = msgspec.structs.replace(SETTINGS, feedback_wait_s=3.0)
+    a = Assembler(settings)
+    chat, root = agent_spans(1)
+    fb = "combee.feedback"
+    # Before its span: the span annotation waits for it (and holds its offset).
+    assert (
+        a.add_annotations([annotation("span", chat.span_id, "tone", "bad")], (fb, 0, 0), 0.0) == []
+    )
+    a.add_telemetry(Telemetry(spans=[chat, root]), (T, 0, 0), now=0.5)
+    # After: a trace annotation, and one on the root span upserted by a second one.
+    a.add_annotations([annotation("trace", trace_id(1), "correctness", "correct")], (fb, 0, 1), 2.0)
+    a.add_annotations([annotation("span", root.span_id, "review", "fail", "u1")], (fb, 0, 2), 2.0)
+    a.add_annotations([annotation("span", root.span_id, "review", "pass", "u1")], (fb, 0, 3), 2.1)
+    assert a.committable() == {(T, 0): 0, (fb, 0): 0}, "all held by the open trace"
+    [out] = a.due(4.5)
+    assert isinstance(out, Written) and out.feedback_items == 3, "the upserted one replaced"
+    assert out.trace.feedback == Feedback(
+        passed=False,  # "tone" says bad
+        text="tone (bad, HUMAN)\ncorrectness (correct, HUMAN)\nreview (pass, HUMAN)",
+    )
+    assert a.committable() == {(T, 0): 1, (fb, 0): 4}
+    # On a span of the written trace: late, never joined.
+    [late] = a.add_annotations([annotation("span", chat.span_id, "x", "pass")], (fb, 0, 4), 5.0)
+    assert late.kind == "late_feedback" and trace_id(1) in late.reason
+
+
+def test_an_annotation_whose_span_never_comes_is_dead_lettered() -> None:
+    a = Assembler(SETTINGS)
+    fb = "combee.feedback"
+    item = annotation("span", "00000000000000ff", "tone", "bad")
+    assert a.add_annotations([item], (fb, 0, 0), now=0.0) == []
+    assert a.due(9.9) == [] and a.committable() == {(fb, 0): 0}
+    [out] = a.due(10.0)  # trace_timeout_s
+    assert isinstance(out, Rejected) and out.kind == "orphan_feedback"
+    assert "annotation 'tone' for span 00000000000000ff" in out.reason
+    assert out.source == (fb, 0, 0) and b'"tone (bad, HUMAN)"' in out.payload
+    assert a.committable() == {(fb, 0): 1}, "done with its dead letter"

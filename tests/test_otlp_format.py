@@ -15,6 +15,8 @@ import msgspec
 import pytest
 from google.protobuf.json_format import MessageToDict
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.trace import SpanContext
 from otel_agent import (
     TOOL_ARGUMENTS,
     TOOL_CALL_ID,
@@ -37,6 +39,7 @@ from combee_stream.config import IngestConfig
 from combee_stream.errors import DecodeError
 from combee_stream.formats.genai import (
     NOT_CAPTURED_TASK,
+    evaluation_errors,
     evaluations,
     prompt_key,
     root_span,
@@ -178,9 +181,24 @@ def test_empty_and_wrong_signal_are_rejected(runs: dict[str, AgentRun]) -> None:
     records = evaluation_records(runs["captured"].spans[0], name="accuracy", score=1.0)
     with pytest.raises(DecodeError, match="OTLP JSON logs, not traces"):
         decode_telemetry(encode_logs_json(records), "otlp_json", "traces")
-    # Logs and traces share field numbers, but not field types: protobuf refuses.
-    with pytest.raises(DecodeError, match="not an OTLP protobuf ExportTraceServiceRequest"):
-        decode_telemetry(encode_logs_proto(records), "otlp_proto", "traces")
+    with pytest.raises(DecodeError, match="OTLP protobuf traces, not logs"):
+        decode_telemetry(encode_proto(runs["captured"].spans), "otlp_proto", "logs")
+
+
+# A log record's trace id (field 9, bytes) is read as a span's attributes (field 9, KeyValues):
+# this id is a valid KeyValue (0x0a 0x0e: a 14-byte key), so protobuf parses the logs request
+# as traces; the other, like most random ids, does not parse. Fixed ids: both cases every run.
+@pytest.mark.parametrize(
+    "trace_id",
+    [0x0A0E6162636465666768696A6B6C6D6E, 0x0123456789ABCDEF0123456789ABCDEF],
+    ids=["parses-as-traces", "does-not-parse"],
+)
+def test_logs_protobuf_on_the_spans_topic_is_named_whatever_its_ids(trace_id: int) -> None:
+    judged = ReadableSpan(name="judged", context=SpanContext(trace_id, 0x1122334455667788, False))
+    value = encode_logs_proto(evaluation_records(judged, name="accuracy", score=1.0))
+    assert decode_telemetry(value, "otlp_proto", "logs").logs[0].trace_id == f"{trace_id:032x}"
+    with pytest.raises(DecodeError, match=r"^OTLP protobuf logs, not traces: read from the wrong"):
+        decode_telemetry(value, "otlp_proto", "traces")
 
 
 def test_bad_ids_are_rejected(runs: dict[str, AgentRun]) -> None:
@@ -453,7 +471,7 @@ def test_evaluations_from_span_events_and_log_records(runs: dict[str, AgentRun])
         *evaluation_records(
             chat, name="correctness", score=0.0, label="incorrect", explanation="off by one"
         ),
-        *evaluation_records(None, name="orphan", label="pass"),  # no trace: not returned
+        *evaluation_records(None, name="orphan", label="pass"),  # no trace: untraced
         *evaluation_records(run.root, name="judge", label="timeout"),
     ]
     provider, collector = tracer_provider()
@@ -476,17 +494,21 @@ def test_evaluations_from_span_events_and_log_records(runs: dict[str, AgentRun])
         (encode_logs_json(records), "otlp_json"),
     ]
     for value, encoding in encoded:
-        logs = decode_telemetry(value, encoding, "logs").logs
+        telemetry = decode_telemetry(value, encoding, "logs")
+        logs = telemetry.logs
         assert [log.event.name for log in logs] == ["gen_ai.evaluation.result"] * 2
+        [orphan] = telemetry.untraced  # feedback that names no trace is kept, not dropped
+        assert orphan.attributes["gen_ai.evaluation.name"] == "orphan"
         assert logs[0].trace_id == run.trace_id
         assert logs[0].span_id == format(chat.get_span_context().span_id, "016x")
         assert logs[0].resource["service.name"] == "evaluator"
-        feedback = evaluations(spans, logs)
+        feedback = evaluations(spans, logs, SETTINGS)
         assert feedback == [
             Feedback(score=0.0, passed=False, text="correctness (incorrect): off by one"),
             Feedback(text="judge (timeout)"),  # a label that says neither pass nor fail
             Feedback(score=0.75, passed=True, text="relevance (relevant)"),
         ]
+        assert evaluation_errors(spans, logs) == ["TimeoutError"], "the failed evaluator"
 
 
 def test_log_events_of_a_trace_join_its_spans(runs: dict[str, AgentRun]) -> None:

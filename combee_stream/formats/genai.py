@@ -52,7 +52,8 @@ it (``chat gpt-4o-mini (content not captured)``) and a tool span a ``tool_call``
 pair with placeholders. A trace with neither user text nor such a span raises ``DecodeError``.
 
 :func:`evaluations` reads ``gen_ai.evaluation.result`` events (span events or log records) as
-:class:`~combee_stream.schemas.Feedback`.
+:class:`~combee_stream.schemas.Feedback`; :func:`evaluation_errors` names those that give no
+result (a failed evaluator's ``error.type``).
 """
 
 from __future__ import annotations
@@ -68,13 +69,12 @@ import msgspec
 
 from combee_stream.config import IngestConfig
 from combee_stream.errors import DecodeError
-from combee_stream.formats.spans import LogEvent, Span, SpanEvent
+from combee_stream.formats.spans import EVALUATION_EVENT, LogEvent, Span, SpanEvent
 from combee_stream.schemas import Feedback, Key, Step, Trace, decode, encode
 
 NOT_CAPTURED_TASK: Final = (
     "(the agent's input was not captured: enable message content capture in its instrumentation)"
 )
-EVALUATION_EVENT: Final = "gen_ai.evaluation.result"
 BULLET_IDS_ATTRIBUTE: Final = "combee.bullet_ids"
 _DETAILS_EVENT: Final = "gen_ai.client.inference.operation.details"
 _AGENT_OPERATIONS: Final = frozenset({"invoke_agent", "create_agent", "invoke_workflow"})
@@ -189,19 +189,29 @@ def trace_from_spans(
     return decode(encode(trace), Trace)
 
 
-def evaluations(spans: Sequence[Span], logs: Sequence[LogEvent]) -> list[Feedback]:
+def evaluations(
+    spans: Sequence[Span], logs: Sequence[LogEvent], settings: IngestConfig
+) -> list[Feedback]:
     """Every ``gen_ai.evaluation.result`` event of the spans and logs, in time order, as
-    Feedback: ``score.value`` -> score, ``score.label`` pass/fail (correct/incorrect, ...) ->
-    passed, ``gen_ai.evaluation.name`` (label): ``explanation`` -> text. Events that report a
-    failed evaluation (``error.type``) or carry nothing are skipped."""
+    Feedback (:func:`result_feedback`): ``score.value`` -> score, ``score.label`` ->
+    passed, ``gen_ai.evaluation.name`` (label): ``explanation`` -> text. Events that give no
+    result are not feedback: :func:`evaluation_errors` names them."""
+    results = (_evaluation(event, settings) for event in _evaluation_events(spans, logs))
+    return [result for result in results if result is not None]
+
+
+def evaluation_errors(spans: Sequence[Span], logs: Sequence[LogEvent]) -> list[str]:
+    """The evaluation events that give no result, in time order: their ``error.type`` (the
+    evaluator failed) or ``"empty"`` (no score, label or explanation). They say nothing about
+    the run, so they are no outcome; the ingest stage counts and logs them."""
+    results = (_evaluation_error(event) for event in _evaluation_events(spans, logs))
+    return [result for result in results if result is not None]
+
+
+def _evaluation_events(spans: Sequence[Span], logs: Sequence[LogEvent]) -> list[SpanEvent]:
     events = [event for span in spans for event in span.events if event.name == EVALUATION_EVENT]
     events += [log.event for log in logs if log.event.name == EVALUATION_EVENT]
-    results = []
-    for event in sorted(_distinct(events), key=lambda event: event.time_ns):
-        result = _evaluation(event)
-        if result is not None:
-            results.append(result)
-    return results
+    return sorted(_distinct(events), key=lambda event: event.time_ns)
 
 
 # --------------------------------------------------------------------------- spans
@@ -750,50 +760,72 @@ def _metadata(views: Sequence[_View], captured: bool) -> dict[str, str]:
 
 # --------------------------------------------------------------------------- evaluations
 
-_PASSED: Final = frozenset(
-    {"pass", "passed", "correct", "true", "yes", "success", "succeeded", "relevant", "good"}
-)
-_FAILED: Final = frozenset(
-    {
-        "fail",
-        "failed",
-        "incorrect",
-        "false",
-        "no",
-        "failure",
-        "not_relevant",
-        "irrelevant",
-        "bad",
-        "wrong",
-    }
-)
 
-
-def _evaluation(event: SpanEvent) -> Feedback | None:
+def _evaluation_error(event: SpanEvent) -> str | None:
+    """Why the event gives no result (its ``error.type``, or ``"empty"``); None when it does."""
     attrs = _event_body(event)
     if attrs.get("error.type"):
-        return None  # the evaluator failed: no verdict on the trace
-    name = _text_of(attrs.get("gen_ai.evaluation.name"))
-    score = _number(attrs.get("gen_ai.evaluation.score.value"))
-    label = _text_of(attrs.get("gen_ai.evaluation.score.label"))
-    explanation = _text_of(attrs.get("gen_ai.evaluation.explanation"))
-    verdict = label.strip().lower().replace(" ", "_").replace("-", "_")
-    passed = True if verdict in _PASSED else False if verdict in _FAILED else None
-    head = " ".join(filter(None, [name, f"({label})" if label else ""]))
-    text = (
-        f"{head}: {explanation}" if head and explanation else explanation or (head if label else "")
-    )
-    if score is None and passed is None and not text:
+        return _text_of(attrs["error.type"])  # the evaluator failed: no verdict on the trace
+    fields = ("gen_ai.evaluation.score.value", "gen_ai.evaluation.score.label")
+    has_result = any(attrs.get(f) is not None for f in fields)
+    return None if has_result or _text_of(attrs.get("gen_ai.evaluation.explanation")) else "empty"
+
+
+def _evaluation(event: SpanEvent, settings: IngestConfig) -> Feedback | None:
+    if _evaluation_error(event) is not None:
         return None
-    return Feedback(score=score, passed=passed, text=text or None)
+    attrs = _event_body(event)
+    return result_feedback(
+        settings,
+        name=_text_of(attrs.get("gen_ai.evaluation.name")),
+        score=_number(attrs.get("gen_ai.evaluation.score.value")),
+        label=_text_of(attrs.get("gen_ai.evaluation.score.label")),
+        explanation=_text_of(attrs.get("gen_ai.evaluation.explanation")),
+    )
+
+
+def result_feedback(
+    settings: IngestConfig,
+    *,
+    name: str,
+    score: float | None,
+    label: str,
+    explanation: str,
+    by: str = "",
+) -> Feedback | None:
+    """One evaluator's result (an evaluation event, an OpenInference annotation) as Feedback:
+    a score in [0, 1] is the score (the engine's scale; another scale, 0-100 say, cannot be
+    averaged with it, so it goes into the text); a label in ``ingest.pass_labels`` /
+    ``fail_labels`` sets ``passed`` (no label: unset, whatever the score); the text is
+    ``name score (label, by): explanation``. None when it says nothing."""
+    in_range = score is not None and 0.0 <= score <= 1.0
+    verdict = label.strip().lower().replace(" ", "_").replace("-", "_")
+    passed = (
+        True
+        if verdict in settings.pass_labels
+        else False
+        if verdict in settings.fail_labels
+        else None
+    )
+    said = ", ".join(filter(None, [label, by]))
+    shown = f"{score:g}" if score is not None and not in_range else ""
+    head = " ".join(filter(None, [name, shown, f"({said})" if said else ""]))
+    if not (label or shown or explanation):
+        head = ""  # a name alone says nothing about the run
+    text = f"{head}: {explanation}" if head and explanation else explanation or head
+    if not in_range and passed is None and not text:
+        return None
+    return Feedback(score=score if in_range else None, passed=passed, text=text or None)
 
 
 __all__ = [
     "BULLET_IDS_ATTRIBUTE",
     "EVALUATION_EVENT",
     "NOT_CAPTURED_TASK",
+    "evaluation_errors",
     "evaluations",
     "prompt_key",
+    "result_feedback",
     "root_span",
     "trace_from_spans",
 ]

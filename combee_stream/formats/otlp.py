@@ -14,11 +14,14 @@ have the same field numbers, so either reads). Two encodings:
 Values become :mod:`combee_stream.formats.spans` objects: ids as lowercase hex, attributes as a
 flat dict (AnyValue string/bool/int/double as Python values, arrays as lists, kvlists as dicts,
 bytes as hex). A log record becomes a :class:`LogEvent` named by its ``event_name`` field or its
-``event.name`` attribute; a record without a trace id cannot join a trace and is not returned.
+``event.name`` attribute; a record without a trace id cannot join a trace: an application log
+line is not returned, a ``gen_ai.evaluation.result`` (feedback) is, in ``Telemetry.untraced``.
 
 Anything that is not such a request raises :class:`DecodeError` with a one-line reason: bytes
-protobuf cannot parse (a truncated message), a span without a 16-byte trace id or an 8-byte span
-id, or a request that carries no span (no log record) at all.
+protobuf cannot parse (a truncated message), a span or log record with a field of the wrong
+wire type, a span without a 16-byte trace id or an 8-byte span id, or a request that carries no
+span (no log record) at all. The other signal's request (logs read from the spans topic, say) is
+named as such, whatever its ids: ``OTLP protobuf logs, not traces`` (or ``OTLP JSON ...``).
 """
 
 from __future__ import annotations
@@ -31,13 +34,15 @@ from typing import Any, Literal, TypeAlias
 import msgspec
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError as ProtobufDecodeError
+from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 
 from combee_stream.errors import DecodeError
-from combee_stream.formats.spans import LogEvent, Span, SpanEvent, Telemetry
+from combee_stream.formats.spans import EVALUATION_EVENT, LogEvent, Span, SpanEvent, Telemetry
 
 Encoding: TypeAlias = Literal["otlp_proto", "otlp_json"]
 Signal: TypeAlias = Literal["traces", "logs"]
@@ -52,6 +57,7 @@ _RESOURCE = {
 _SCOPE = {"traces": ("scopeSpans", "scope_spans"), "logs": ("scopeLogs", "scope_logs")}
 _ITEMS = {"traces": ("spans",), "logs": ("logRecords", "log_records")}
 _REQUEST = {"traces": "ExportTraceServiceRequest", "logs": "ExportLogsServiceRequest"}
+_OTHER: dict[Signal, Signal] = {"traces": "logs", "logs": "traces"}
 
 
 def decode_telemetry(value: bytes, encoding: Encoding, kind: Signal) -> Telemetry:
@@ -59,14 +65,37 @@ def decode_telemetry(value: bytes, encoding: Encoding, kind: Signal) -> Telemetr
     if not value:
         raise DecodeError(f"empty value: not an OTLP {_REQUEST[kind]}")
     if encoding == "otlp_proto":
-        request = _parse_proto(value, kind)
-    elif encoding == "otlp_json":
-        request = _parse_json(value, kind)
-    else:
-        raise DecodeError(f"unknown OTLP encoding {encoding!r} (otlp_proto or otlp_json)")
+        try:
+            return _telemetry(_parse_proto(value, kind))
+        except DecodeError:
+            # Logs and traces share field numbers, so protobuf may or may not parse the one as
+            # the other (it depends on the bytes of the ids); which error that gives is chance.
+            # The other signal's request, read cleanly, is named as such instead.
+            other = _OTHER[kind]
+            if _reads_as(value, other):
+                raise DecodeError(
+                    f"OTLP protobuf {other}, not {kind}: read from the wrong topic?"
+                ) from None
+            raise
+    if encoding == "otlp_json":
+        return _telemetry(_parse_json(value, kind))
+    raise DecodeError(f"unknown OTLP encoding {encoding!r} (otlp_proto or otlp_json)")
+
+
+def _telemetry(request: ExportTraceServiceRequest | ExportLogsServiceRequest) -> Telemetry:
     if isinstance(request, ExportTraceServiceRequest):
         return Telemetry(spans=_spans(request))
-    return Telemetry(logs=_logs(request))
+    events, untraced = _logs(request)
+    return Telemetry(logs=events, untraced=untraced)
+
+
+def _reads_as(value: bytes, kind: Signal) -> bool:
+    """Whether ``value`` is a valid protobuf request of ``kind``."""
+    try:
+        _telemetry(_parse_proto(value, kind))
+    except DecodeError:
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------- parsing
@@ -171,13 +200,28 @@ def _hex_id(raw: bytes, size: int, where: str, field: str, *, required: bool) ->
     return raw.hex()
 
 
+def _check_wire_types(message: Message, where: str) -> None:
+    """A known field number among the unknown fields is a field of the wrong wire type: protobuf
+    keeps it aside, silently. A span and a log record differ so at once (field 1 is a span's
+    trace id, bytes, but a log record's time, fixed64); the levels above them do not."""
+    known = message.DESCRIPTOR.fields_by_number
+    for unknown in UnknownFieldSet(message):
+        if unknown.field_number in known:
+            field = known[unknown.field_number].name
+            raise DecodeError(
+                f"{where} has its field {unknown.field_number} ({field}) of the wrong wire type"
+            )
+
+
 def _spans(request: ExportTraceServiceRequest) -> list[Span]:
     spans: list[Span] = []
     for resource_spans in request.resource_spans:
         resource = attributes(resource_spans.resource.attributes)
         for scope_spans in resource_spans.scope_spans:
             for span in scope_spans.spans:
-                spans.append(_span(span, f"span {len(spans)}", resource, scope_spans.scope.name))
+                where = f"span {len(spans)}"
+                _check_wire_types(span, where)
+                spans.append(_span(span, where, resource, scope_spans.scope.name))
     if not spans:
         raise DecodeError("the ExportTraceServiceRequest carries no span (a truncated message?)")
     return spans
@@ -210,8 +254,10 @@ def _span(span: PbSpan, where: str, resource: dict[str, Any], scope: str) -> Spa
     )
 
 
-def _logs(request: ExportLogsServiceRequest) -> list[LogEvent]:
+def _logs(request: ExportLogsServiceRequest) -> tuple[list[LogEvent], list[SpanEvent]]:
+    """The trace-bound log events, and the evaluation results that name no trace."""
     events: list[LogEvent] = []
+    untraced: list[SpanEvent] = []
     records = 0
     for resource_logs in request.resource_logs:
         resource = attributes(resource_logs.resource.attributes)
@@ -219,33 +265,32 @@ def _logs(request: ExportLogsServiceRequest) -> list[LogEvent]:
             for record in scope_logs.log_records:
                 where = f"log record {records}"
                 records += 1
+                _check_wire_types(record, where)
                 trace_id = _hex_id(
                     record.trace_id, _TRACE_ID_BYTES, where, "trace id", required=False
                 )
                 span_id = _hex_id(record.span_id, _SPAN_ID_BYTES, where, "span id", required=False)
-                if not trace_id:
-                    continue  # belongs to no trace (an application log line, say)
                 attrs = attributes(record.attributes)
                 # event_name is a field since OTLP 1.5; earlier emitters set the attribute.
                 name = getattr(record, "event_name", "") or attrs.get("event.name")
-                events.append(
-                    LogEvent(
-                        trace_id=trace_id,
-                        span_id=span_id,
-                        event=SpanEvent(
-                            name=name if isinstance(name, str) else "",
-                            time_ns=record.time_unix_nano or record.observed_time_unix_nano,
-                            attributes=attrs,
-                            body=any_value(record.body) if record.HasField("body") else None,
-                        ),
-                        resource=resource,
-                    )
+                event = SpanEvent(
+                    name=name if isinstance(name, str) else "",
+                    time_ns=record.time_unix_nano or record.observed_time_unix_nano,
+                    attributes=attrs,
+                    body=any_value(record.body) if record.HasField("body") else None,
                 )
+                if trace_id:
+                    events.append(
+                        LogEvent(trace_id=trace_id, span_id=span_id, event=event, resource=resource)
+                    )
+                elif event.name == EVALUATION_EVENT:
+                    untraced.append(event)
+                # else: an application log line, say, which belongs to no trace
     if not records:
         raise DecodeError(
             "the ExportLogsServiceRequest carries no log record (a truncated message?)"
         )
-    return events
+    return events, untraced
 
 
 def any_value(value: AnyValue) -> Any:

@@ -8,9 +8,12 @@ lowercase hex (32 characters for a trace, 16 for a span) whatever the wire carri
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 from msgspec import Struct
+
+# The GenAI semantic conventions' evaluation result event (a span event or a log record).
+EVALUATION_EVENT: Final = "gen_ai.evaluation.result"
 
 
 class SpanEvent(Struct, frozen=True, kw_only=True):
@@ -54,6 +57,9 @@ class Telemetry(Struct, frozen=True, kw_only=True):
 
     spans: list[Span] = []
     logs: list[LogEvent] = []
+    # Evaluation results (feedback) in log records that name no trace: they cannot join one,
+    # and feedback is never dropped silently (the stage dead-letters them).
+    untraced: list[SpanEvent] = []
 
 
-__all__ = ["LogEvent", "Span", "SpanEvent", "Telemetry"]
+__all__ = ["EVALUATION_EVENT", "LogEvent", "Span", "SpanEvent", "Telemetry"]

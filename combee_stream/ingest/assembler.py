@@ -2,24 +2,45 @@
 
 The ingest stage feeds every decoded message in with the message's place (topic, partition,
 offset) and asks, now and then, what is due. A trace is *complete* when its root span has ended
-and none of its spans arrived for ``ingest.gap_s``; it is then written with the feedback it has,
-or waits up to ``ingest.feedback_wait_s`` for feedback that comes later. Anything that cannot
-become a trace is a rejection (dead-lettered by the stage), never dropped:
+and none of its spans arrived for ``ingest.gap_s``. The feedback join:
+
+- With ``ingest.feedback_wait_s`` 0 a complete trace is written at once, with the feedback that
+  came before.
+- Else a complete trace waits ``feedback_wait_s`` after completing, and every feedback item
+  that arrives until it is written is combined (see below): several evaluators may each send a
+  ``gen_ai.evaluation.result`` (or an OpenInference annotation) in that time.
+- A ``FeedbackRecord`` is final: the application's own verdict on the run, sent once it knows
+  the outcome (one per run, combining what it knows). A complete trace that has one is written
+  at once, with the items that came before it; an item after that is ``late_feedback``.
+
+Anything that cannot become a trace is a rejection (dead-lettered by the stage), never dropped:
 
 - no root span ``trace_timeout_s`` after the first span (``no_root``), or more spans than
   ``max_spans_per_trace`` (``span_flood``), or spans the mapping cannot read (``unmappable``);
-- feedback (evaluation events, FeedbackRecords) for a trace no span of which arrived in time
-  (``orphan_feedback``), or for a trace already written (``late_feedback``: the trace was
-  learned without it, and a trace is never learned twice);
+- feedback (evaluation events, annotations, FeedbackRecords) for a trace no span of which
+  arrived in time (``orphan_feedback``; a span annotation whose span did not arrive in time
+  too), or for a trace already written (``late_feedback``: the trace was learned without it,
+  and a trace is never learned twice);
 - spans of a trace already written (``late_span``);
 - a complete trace whose feedback never came while ``learn_without_feedback`` is off
   (``no_feedback``).
 
 Offsets: a message is *pending* while any trace it contributed to is open; its offset is done
 when the last of them is written or rejected (``engine.offsets.PartitionOffsets`` gives the
-committable low watermark per partition). Traces written are remembered with the
-highest offset of each partition they came from, so spans read again after a crash (everything
-above the committed offsets is read again) are recognised and not written twice.
+committable low watermark per partition). Every decision (written, or rejected as
+``no_root``, ``span_flood``, ...) is a :class:`TraceMark` on the state topic, in the
+transaction of the trace or its dead letter, with the highest offset of each partition the
+trace's input came from: input read again after a crash (everything above the committed
+offsets is read again) is recognised and neither written nor dead-lettered twice, and input
+that comes later is late (a rejected trace's late root is ``late_span``, never a trace). A
+written trace's mark is deleted once no read-again can reach it (late input for it then
+starts a trace that has no root: ``no_root``); a rejection's mark stays while the decision is
+among the ``recent`` remembered (100,000), so the answer to late input survives restarts.
+
+A span annotation (:mod:`combee_stream.formats.phoenix`) joins the trace of its span: the
+assembler knows the span ids of open traces, and of the last ``recent_spans`` (100,000) spans
+of decided traces (an annotation for one of those is ``late_feedback``). One whose span has not
+been read waits for it, as feedback waits for its trace, up to ``trace_timeout_s``.
 
 Several feedback items for one trace are combined so (:func:`combine_feedback`): the score is
 their mean, ``passed`` is false if any says false (true only if every item that says anything
@@ -39,9 +60,16 @@ from msgspec import Struct
 from combee_stream.config import IngestConfig
 from combee_stream.engine.offsets import PartitionOffsets
 from combee_stream.errors import DecodeError
-from combee_stream.formats.genai import evaluations, prompt_key, root_span, trace_from_spans
-from combee_stream.formats.spans import LogEvent, Span, Telemetry
-from combee_stream.schemas import Feedback, FeedbackRecord, Trace
+from combee_stream.formats.genai import (
+    evaluation_errors,
+    evaluations,
+    prompt_key,
+    root_span,
+    trace_from_spans,
+)
+from combee_stream.formats.phoenix import Annotated
+from combee_stream.formats.spans import EVALUATION_EVENT, LogEvent, Span, Telemetry
+from combee_stream.schemas import Feedback, FeedbackRecord, Trace, encode
 
 # A message's place: (topic, partition, offset).
 Ref = tuple[str, int, int]
@@ -53,30 +81,29 @@ NO_FEEDBACK: Final = Feedback(
 )
 
 
-class WrittenMark(Struct, frozen=True):
-    """The state-topic record of a written trace: the highest offset read of each partition it
-    came from (``"topic:partition"`` -> offset)."""
+# A trace rejected as a whole; then input rejected on its own (late for a decided trace).
+TraceRejection = Literal["no_root", "span_flood", "unmappable", "orphan_feedback", "no_feedback"]
+RejectionKind = Literal[TraceRejection, "late_feedback", "late_span", "untraced_feedback"]
+# What became of a trace (late input changes nothing: it is rejected on its own).
+Outcome = Literal["written", TraceRejection]
+
+
+class TraceMark(Struct, frozen=True):
+    """The state-topic record of a decided trace: the highest offset read of each partition its
+    input came from (``"topic:partition"`` -> offset), and what it became."""
 
     offsets: dict[str, int]
-
-
-RejectionKind = Literal[
-    "no_root",
-    "span_flood",
-    "unmappable",
-    "orphan_feedback",
-    "late_feedback",
-    "late_span",
-    "no_feedback",
-]
+    outcome: Outcome = "written"
 
 
 class Written(Struct, frozen=True, kw_only=True):
     """A trace to write to the traces topic, and its state-topic mark."""
 
     trace: Trace
-    mark: WrittenMark
+    value: bytes  # the trace encoded, as written (checked against the size limit)
+    mark: TraceMark
     feedback_items: int  # how many feedback items were combined into it (0: none came)
+    evaluation_errors: list[str] = []  # evaluations that gave no result (error.type, "empty")
     assembly_s: float  # from its first span to now
 
 
@@ -88,12 +115,15 @@ class Rejected(Struct, frozen=True, kw_only=True):
     trace_id: str
     key: str | None  # the prompt key, when known
     payload: bytes  # what was held, as JSON (the spans, events and feedback)
+    mark: TraceMark | None = None  # its state-topic record, written with the dead letter
+    source: Ref | None = None  # the one message it comes from, when it is one message's
 
 
 class _Open:
     """One trace being assembled."""
 
     __slots__ = (
+        "annotations",
         "complete_at",
         "feedback",
         "first_seen",
@@ -110,6 +140,8 @@ class _Open:
         self.spans: dict[str, Span] = {}
         self.logs: list[LogEvent] = []
         self.feedback: list[Feedback] = []  # FeedbackRecords, in arrival order
+        # Annotations by (span or trace id, name, identifier): a later one replaces (upserts).
+        self.annotations: dict[tuple[str, str, str], Feedback] = {}
         self.refs: set[Ref] = set()
         self.first_seen = now
         self.last_span_at: float | None = None
@@ -123,8 +155,18 @@ class _Open:
                 "spans": list(self.spans.values()),
                 "logs": self.logs,
                 "feedback": self.feedback,
+                "annotations": list(self.annotations.values()),
             }
         )
+
+
+class _Waiting:
+    """A span annotation whose span has not been read (yet)."""
+
+    __slots__ = ("item", "ref", "since")
+
+    def __init__(self, item: Annotated, ref: Ref, since: float) -> None:
+        self.item, self.ref, self.since = item, ref, since
 
 
 def combine_feedback(items: Sequence[Feedback]) -> Feedback | None:
@@ -152,16 +194,32 @@ class Assembler:
     the committed offsets and the state topic.
     """
 
-    def __init__(self, settings: IngestConfig, *, recent: int = 100_000) -> None:
+    def __init__(
+        self,
+        settings: IngestConfig,
+        *,
+        max_trace_bytes: int = 1_048_576,
+        recent: int = 100_000,
+        recent_spans: int = 100_000,
+    ) -> None:
         self._s = settings
+        self._max_bytes = max_trace_bytes  # a larger trace is rejected (the broker would refuse)
         self._open: dict[str, _Open] = {}
         self._holds: dict[Ref, int] = {}  # message -> open traces it still feeds
         self._offsets: dict[TopicPartitionKey, PartitionOffsets] = {}
-        # Written traces whose spans may still be read again (above a committed offset), with
+        # Decided traces whose input may still be read again (above a committed offset), with
         # their highest offsets; and a bounded memory of every recent decision, for late input.
-        self._written: dict[str, dict[TopicPartitionKey, int]] = {}
-        self._recent: OrderedDict[str, str] = OrderedDict()  # trace id -> "written" | kind
+        self._decided: dict[str, dict[TopicPartitionKey, int]] = {}
+        self._recent: OrderedDict[str, Outcome] = OrderedDict()
         self._recent_cap = recent
+        self._forgotten: list[str] = []  # rejections no longer remembered: marks to delete
+        self._spanned = 0  # open traces with at least one span
+        # Span id -> trace id, for span annotations: every span of the open traces, and the
+        # newest recent_spans of decided ones; and the annotations whose span is not known yet.
+        self._open_spans: dict[str, str] = {}
+        self._closed_spans: OrderedDict[str, str] = OrderedDict()
+        self._closed_cap = recent_spans
+        self._waiting: dict[str, list[_Waiting]] = {}
 
     # ------------------------------------------------------------------ state
 
@@ -169,17 +227,25 @@ class Assembler:
     def open_traces(self) -> int:
         return len(self._open)
 
-    def restore(self, trace_id: str, mark: WrittenMark) -> None:
-        """A trace written before (read back from the state topic)."""
+    @property
+    def assembling(self) -> int:
+        """Open traces with spans: what ``max_open_traces`` bounds (pausing the spans topic
+        bounds no more; feedback waiting for its spans must not stop them coming)."""
+        return self._spanned
+
+    def restore(self, trace_id: str, mark: TraceMark) -> None:
+        """A trace decided before (read back from the state topic, in the order written)."""
         offsets: dict[TopicPartitionKey, int] = {}
         for where, offset in mark.offsets.items():
             topic, _, partition = where.rpartition(":")
             offsets[(topic, int(partition))] = offset
-        self._written[trace_id] = offsets
-        self._remember(trace_id, "written")
+        self._decided[trace_id] = offsets
+        self._remember(trace_id, mark.outcome)
 
-    def forget_written(self, trace_id: str) -> None:
-        self._written.pop(trace_id, None)
+    def forget(self, trace_id: str) -> None:
+        """A deleted mark (a tombstone read back)."""
+        self._decided.pop(trace_id, None)
+        self._recent.pop(trace_id, None)
 
     def start_at(self, topic: str, partition: int, offset: int) -> None:
         """Where reading of a partition starts (its committed offset)."""
@@ -194,18 +260,29 @@ class Assembler:
         return out
 
     def settled(self, committed: dict[TopicPartitionKey, int]) -> list[str]:
-        """Written traces that no read-again can reach any more (every offset they came from
-        is below ``committed``): their state-topic records can be deleted."""
+        """The marks to delete once ``committed`` is: written traces no read-again can reach
+        any more (every offset they came from is below ``committed``), and rejections settled
+        so and no longer remembered."""
         done = [
             trace_id
-            for trace_id, offsets in self._written.items()
+            for trace_id, offsets in self._decided.items()
             if all(tp in committed and offset < committed[tp] for tp, offset in offsets.items())
         ]
+        out, self._forgotten = self._forgotten, []
         for trace_id in done:
-            del self._written[trace_id]
-        return done
+            del self._decided[trace_id]
+            if self._recent.get(trace_id, "written") == "written":
+                out.append(trace_id)
+        return out
 
     # ------------------------------------------------------------------ input
+
+    def skip(self, ref: Ref) -> None:
+        """A message that feeds no trace (the stage dead-letters it as it is: undecodable,
+        oversized, a tombstone): done at once, so its offset is committed in the transaction
+        that holds its dead letter."""
+        self._read(ref)
+        self._settle_if_free(ref)
 
     def _read(self, ref: Ref) -> None:
         topic, partition, offset = ref
@@ -236,26 +313,47 @@ class Assembler:
         self, telemetry: Telemetry, ref: Ref, now: float, timestamp: float = -math.inf
     ) -> list[Rejected]:
         """The spans and log events of one message (``timestamp``: the record's, in seconds).
-        Returns what is rejected at once (input for a trace already written or rejected)."""
+        Returns what is rejected at once (input for a trace already written or rejected, and
+        evaluation results that name no trace)."""
         self._read(ref)
+        rejected: list[Rejected] = []
+        if telemetry.untraced:
+            n = len(telemetry.untraced)
+            rejected.append(
+                Rejected(
+                    kind="untraced_feedback",
+                    reason=f"{n} {EVALUATION_EVENT} log record(s) carry no trace id: they "
+                    "cannot join a trace (emit them in the evaluated span's context)",
+                    trace_id="",
+                    key=None,
+                    payload=msgspec.json.encode({"logs": telemetry.untraced}),
+                    source=ref,
+                )
+            )
         by_trace: dict[str, tuple[list[Span], list[LogEvent]]] = {}
         for span in telemetry.spans:
             by_trace.setdefault(span.trace_id, ([], []))[0].append(span)
         for log in telemetry.logs:
             by_trace.setdefault(log.trace_id, ([], []))[1].append(log)
-        rejected: list[Rejected] = []
         flooded: list[_Open] = []
         for trace_id, (spans, logs) in by_trace.items():
             late = self._late(trace_id, ref, spans, logs, [])
-            if late == "again":
-                continue
             if late is not None:
-                rejected.append(late)
+                for span in spans:  # a decided trace: its span annotations are late
+                    self._closed_span(span.span_id, trace_id)
+                if late != "again":
+                    rejected.append(late)
                 continue
             entry = self._entry(trace_id, now)
             self._hold(entry, ref)
+            if spans and not entry.spans:
+                self._spanned += 1
             for span in spans:
                 entry.spans[span.span_id] = span  # a span sent twice counts once
+                self._open_spans[span.span_id] = trace_id
+                for waiting in self._waiting.pop(span.span_id, ()):
+                    self._annotate(trace_id, waiting.item, waiting.ref, now)  # (open: not late)
+                    self._holds[waiting.ref] -= 1  # now held by the trace instead
             entry.logs.extend(logs)
             if spans:
                 entry.last_span_at = now
@@ -284,6 +382,40 @@ class Assembler:
         entry.feedback.append(record.feedback)
         return []
 
+    def add_annotations(self, items: Sequence[Annotated], ref: Ref, now: float) -> list[Rejected]:
+        """The annotations of one feedback-topic message (a Phoenix annotations body)."""
+        self._read(ref)
+        rejected: list[Rejected] = []
+        for item in items:
+            trace_id = item.id
+            if item.on == "span":
+                known = self._open_spans.get(item.id) or self._closed_spans.get(item.id)
+                if known is None:
+                    self._waiting.setdefault(item.id, []).append(_Waiting(item, ref, now))
+                    self._holds[ref] += 1
+                    continue
+                trace_id = known
+            rejected.extend(self._annotate(trace_id, item, ref, now))
+        self._settle_if_free(ref)
+        return rejected
+
+    def _annotate(self, trace_id: str, item: Annotated, ref: Ref, now: float) -> list[Rejected]:
+        late = self._late(trace_id, ref, [], [], [item.feedback])
+        if late is not None:
+            return [] if late == "again" else [late]
+        entry = self._entry(trace_id, now)
+        self._hold(entry, ref)
+        upsert = (item.id, *item.upsert)
+        entry.annotations.pop(upsert, None)  # the newest in arrival order
+        entry.annotations[upsert] = item.feedback
+        return []
+
+    def _closed_span(self, span_id: str, trace_id: str) -> None:
+        self._closed_spans[span_id] = trace_id
+        self._closed_spans.move_to_end(span_id)
+        while len(self._closed_spans) > self._closed_cap:
+            self._closed_spans.popitem(last=False)
+
     def _late(
         self,
         trace_id: str,
@@ -297,14 +429,18 @@ class Assembler:
         None for a trace not decided."""
         if trace_id in self._open:
             return None
-        written = self._written.get(trace_id)
+        seen = self._decided.get(trace_id)
         topic, partition, offset = ref
-        if written is not None and offset <= written.get((topic, partition), -1):
+        if seen is not None and offset <= seen.get((topic, partition), -1):
             return "again"
         decided = self._recent.get(trace_id)
         if decided is None:
             return None
-        has_feedback = bool(feedback) or bool(evaluations(spans, logs))
+        # Its mark now covers this message too: read again, it is not rejected twice.
+        seen = self._decided.setdefault(trace_id, {})
+        seen[(topic, partition)] = max(seen.get((topic, partition), -1), offset)
+        mark = _mark(seen, decided)
+        has_feedback = bool(feedback) or any(log.event.name == EVALUATION_EVENT for log in logs)
         kind: RejectionKind = "late_feedback" if has_feedback and not spans else "late_span"
         what = "feedback" if kind == "late_feedback" else "spans"
         reason = (
@@ -316,7 +452,9 @@ class Assembler:
         payload = msgspec.json.encode(
             {"trace_id": trace_id, "spans": spans, "logs": logs, "feedback": feedback}
         )
-        return Rejected(kind=kind, reason=reason, trace_id=trace_id, key=None, payload=payload)
+        return Rejected(
+            kind=kind, reason=reason, trace_id=trace_id, key=None, payload=payload, mark=mark
+        )
 
     # ------------------------------------------------------------------ output
 
@@ -328,7 +466,7 @@ class Assembler:
         arrive after ``now``) and in record time (catching up a backlog, the spans of a trace
         on a partition read later arrive seconds apart although they were sent together)."""
         s = self._s
-        out: list[Written | Rejected] = []
+        out: list[Written | Rejected] = self._unknown_spans(now)
         for entry in list(self._open.values()):
             quiet = (
                 entry.last_span_at is not None
@@ -349,10 +487,40 @@ class Assembler:
                 continue
             assert entry.complete_at is not None
             spans = list(entry.spans.values())
-            items = [*evaluations(spans, entry.logs), *entry.feedback]
-            if not items and now - entry.complete_at < s.feedback_wait_s:
+            items = [
+                *evaluations(spans, entry.logs, s),
+                *entry.annotations.values(),
+                *entry.feedback,
+            ]
+            final = bool(entry.feedback)  # a FeedbackRecord: nothing more is expected
+            if not final and now - entry.complete_at < s.feedback_wait_s:
                 continue
             out.append(self._finish(entry, items, now))
+        return out
+
+    def _unknown_spans(self, now: float) -> list[Written | Rejected]:
+        """Span annotations whose span did not arrive within ``trace_timeout_s``."""
+        out: list[Written | Rejected] = []
+        timeout = self._s.trace_timeout_s
+        for span_id, waiting in list(self._waiting.items()):
+            for w in [w for w in waiting if now - w.since >= timeout]:
+                waiting.remove(w)
+                out.append(
+                    Rejected(
+                        kind="orphan_feedback",
+                        reason=f"annotation {w.item.upsert[0]!r} for span {span_id}, but no "
+                        f"span with that id arrived within {timeout:g} s "
+                        "(ingest.trace_timeout_s) nor was one read recently",
+                        trace_id="",
+                        key=None,
+                        payload=msgspec.json.encode(w.item),
+                        source=w.ref,
+                    )
+                )
+                self._holds[w.ref] -= 1
+                self._settle_if_free(w.ref)
+            if not waiting:
+                del self._waiting[span_id]
         return out
 
     def _timed_out(self, entry: _Open) -> Rejected:
@@ -385,35 +553,67 @@ class Assembler:
         except (DecodeError, ValueError, msgspec.ValidationError) as exc:
             reason = exc.reason if isinstance(exc, DecodeError) else str(exc)
             return self._reject(entry, "unmappable", f"trace {entry.trace_id}: {reason}")
-        self._close(entry, "written")
-        highest = _highest(entry.refs)
-        self._written[entry.trace_id] = highest
-        mark = WrittenMark(offsets={f"{t}:{p}": offset for (t, p), offset in highest.items()})
+        value = encode(trace)
+        if len(value) > self._max_bytes:
+            # A record the broker would refuse would stop the stage for good.
+            return self._reject(
+                entry,
+                "unmappable",
+                f"trace {entry.trace_id} encodes to {len(value)} bytes > kafka.max_message_bytes"
+                f" = {self._max_bytes} (fewer spans per trace, or a lower ingest.max_step_chars)",
+                payload=value,
+            )
+        mark = self._close(entry, "written")
         return Written(
-            trace=trace, mark=mark, feedback_items=len(items), assembly_s=now - entry.first_seen
+            trace=trace,
+            value=value,
+            mark=mark,
+            feedback_items=len(items),
+            evaluation_errors=evaluation_errors(spans, entry.logs),
+            assembly_s=now - entry.first_seen,
         )
 
-    def _reject(self, entry: _Open, kind: RejectionKind, reason: str) -> Rejected:
-        self._close(entry, kind)
+    def _reject(
+        self, entry: _Open, kind: TraceRejection, reason: str, *, payload: bytes | None = None
+    ) -> Rejected:
+        mark = self._close(entry, kind)
         spans = list(entry.spans.values())
         key = prompt_key(spans, self._s) if spans else None
         return Rejected(
-            kind=kind, reason=reason, trace_id=entry.trace_id, key=key, payload=entry.payload()
+            kind=kind,
+            reason=reason,
+            trace_id=entry.trace_id,
+            key=key,
+            payload=entry.payload() if payload is None else payload,
+            mark=mark,
         )
 
-    def _close(self, entry: _Open, decision: str) -> None:
-        """The trace is decided: it is no longer open, and its messages hold one trace less."""
-        self._open.pop(entry.trace_id, None)
+    def _close(self, entry: _Open, decision: Outcome) -> TraceMark:
+        """The trace is decided: it is no longer open, its messages hold one trace less, and
+        its mark says so."""
+        if self._open.pop(entry.trace_id, None) is not None and entry.spans:
+            self._spanned -= 1
+        for span_id in entry.spans:
+            self._open_spans.pop(span_id, None)
+            self._closed_span(span_id, entry.trace_id)
         self._remember(entry.trace_id, decision)
         for ref in entry.refs:
             self._holds[ref] -= 1
             self._settle_if_free(ref)
+        highest = self._decided[entry.trace_id] = _highest(entry.refs)
+        return _mark(highest, decision)
 
-    def _remember(self, trace_id: str, decision: str) -> None:
+    def _remember(self, trace_id: str, decision: Outcome) -> None:
         self._recent[trace_id] = decision
         self._recent.move_to_end(trace_id)
         while len(self._recent) > self._recent_cap:
-            self._recent.popitem(last=False)
+            old, outcome = self._recent.popitem(last=False)
+            if outcome != "written" and old not in self._decided:
+                self._forgotten.append(old)  # (a mark still in _decided goes when settled)
+
+
+def _mark(offsets: dict[TopicPartitionKey, int], outcome: Outcome) -> TraceMark:
+    return TraceMark(offsets={f"{t}:{p}": at for (t, p), at in offsets.items()}, outcome=outcome)
 
 
 def _highest(refs: Iterable[Ref]) -> dict[TopicPartitionKey, int]:
@@ -426,10 +626,11 @@ def _highest(refs: Iterable[Ref]) -> dict[TopicPartitionKey, int]:
 __all__ = [
     "NO_FEEDBACK",
     "Assembler",
+    "Outcome",
     "Ref",
     "Rejected",
     "RejectionKind",
+    "TraceMark",
     "Written",
-    "WrittenMark",
     "combine_feedback",
 ]

@@ -40,6 +40,8 @@ async def _otel(args: argparse.Namespace, config: Config) -> int:
     stage = IngestStage(config, instance=args.instance)
     async with anyio.create_task_group() as tg:
         tg.start_soon(_stop_on_signal, stage.stop)
+        if config.ingest.metrics_port:
+            tg.start_soon(_serve_metrics, stage, config)
 
         async def run() -> None:
             await stage.run()
@@ -50,6 +52,15 @@ async def _otel(args: argparse.Namespace, config: Config) -> int:
         s = config.ingest
         log.info("ingest started", spans=s.spans_topic, encoding=s.encoding, instance=args.instance)
     return 0
+
+
+async def _serve_metrics(stage: Any, config: Config) -> None:
+    from combee_stream.http import serve_asgi
+
+    host, port = config.engine.metrics_host, config.ingest.metrics_port
+    async with serve_asgi(stage.metrics.asgi_app(), host, port) as server:
+        log.info("metrics endpoint", url=f"{server.root_url}/metrics")
+        await anyio.sleep_forever()
 
 
 async def _stop_on_signal(stop: Any) -> None:

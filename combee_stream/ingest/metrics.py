@@ -1,11 +1,15 @@
-"""Prometheus metrics of the ingest stage (in the engine's registry when both share a process)."""
+"""Prometheus metrics of the ingest stage: in the engine's registry (and on its ``/metrics``)
+when both share a process (``run --ingest otel``); served on ``ingest.metrics_port`` by
+``ingest otel`` alone, with the engine's ``/healthz`` and ``/readyz`` (ready: reading)."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Final
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app
 
+from combee_stream.engine.metrics import Health, Receive, Scope, Send
 from combee_stream.ingest.assembler import Rejected, Written
 from combee_stream.kafka.dlq import DeadLetter
 
@@ -46,6 +50,13 @@ class IngestMetrics:
             "Traces written without feedback (none came within ingest.feedback_wait_s)",
             registry=r,
         )
+        self.evaluation_errors = Counter(
+            "combee_ingest_evaluation_errors",
+            "gen_ai.evaluation.result events of written traces that gave no result: the "
+            "evaluator failed (error) or said nothing (empty); not feedback",
+            ["kind"],
+            registry=r,
+        )
         self.pauses = Counter(
             "combee_ingest_pauses", "Times input paused at ingest.max_open_traces", registry=r
         )
@@ -54,11 +65,38 @@ class IngestMetrics:
             "Restarts from the committed offsets on a rebalance",
             registry=r,
         )
+        self.health = Health()  # assigned: a session is reading
         self.restarts = Counter(
             "combee_ingest_restarts",
             "Restarts from the committed offsets on a Kafka error",
             registry=r,
         )
+
+    def asgi_app(self) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+        """``/metrics``, ``/healthz`` and ``/readyz``, as the engine serves them."""
+        metrics_app = make_asgi_app(self.registry)
+
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http":
+                return
+            path = scope.get("path", "")
+            if path == "/metrics":
+                await metrics_app(scope, receive, send)
+                return
+            ok = {"/healthz": self.health.live, "/readyz": self.health.ready}.get(path)
+            status, body = (
+                (404, b"not found\n") if ok is None else (200, b"ok\n") if ok else (503, b"no\n")
+            )
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": status,
+                    "headers": [(b"content-type", b"text/plain")],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
+
+        return app
 
     def observe(self, item: Written | Rejected | DeadLetter) -> None:
         """One item made durable."""
@@ -66,6 +104,8 @@ class IngestMetrics:
             self.traces_out.inc()
             self.assembly.observe(item.assembly_s)
             (self.feedback_joined if item.feedback_items else self.without_feedback).inc()
+            for error in item.evaluation_errors:
+                self.evaluation_errors.labels("empty" if error == "empty" else "error").inc()
         elif isinstance(item, Rejected):
             self.rejected.labels(item.kind).inc()
         else:

@@ -1,13 +1,15 @@
 """The ingest stage: agent telemetry in, native traces keyed by prompt key out, exactly once.
 
-It reads the spans topic (and the logs and feedback topics) as one consumer group, assembles
+It reads the spans topic (and the logs and feedback topics: ``FeedbackRecord``s and Phoenix
+annotations, :mod:`combee_stream.formats.phoenix`) as one consumer group, assembles
 each trace (:mod:`combee_stream.ingest.assembler`) and writes it to the traces topic keyed by
 its prompt key: the repartition step, since spans are keyed by trace id (or not at all) and so
 are not co-partitioned with prompt keys. Each flush is one transaction holding the traces
 written, their marks on the compacted state topic, the dead letters and the input offsets now
 committable; so after a crash (or a broker error, or a rebalance: all three are handled as a
 restart from the committed offsets) nothing is lost, and a trace read again is recognised by
-its mark and not written twice.
+its mark and not written twice. Rejections have marks too (with their dead letters), so none
+is dead-lettered twice, and late input of a rejected trace is late after a restart as well.
 
 Choices the design leaves open, recorded here:
 
@@ -16,12 +18,17 @@ Choices the design leaves open, recorded here:
   numbers do not fence each other, so a zombie (paused past its session timeout) could write a
   trace its successor writes too; the engine skips a trace id its key has already seen
   (``engine.dedup_horizon``), so such a trace is still learned once.
-- Spans of one trace must reach one instance: with several instances, run the Collector's
-  Kafka exporter with ``partition_traces_by_id`` (all spans of a trace in one partition, keyed
-  by trace id) and key feedback by trace id (``TraceProducer.send_feedback`` does), with the
-  same partition count on the spans, logs and feedback topics. One instance reads them all.
-- Past ``ingest.max_open_traces`` the stage pauses its input until traces complete or time out
-  (``trace_timeout_s`` bounds how long that takes), so memory stays bounded.
+- Spans, log records and feedback of one trace must reach one instance: with several
+  instances, run the Collector's Kafka exporter with ``partition_traces_by_id`` and
+  ``partition_logs_by_trace_id`` (keyed by the hex trace id) and
+  ``record_partitioner: {sticky_key: {hasher: murmur2}}``: its default hasher (``sarama_compat``,
+  FNV-1a) puts a key in another partition than ``TraceProducer.send_feedback``, which keys by
+  trace id with aiokafka's murmur2; the same partition count on the spans, logs and feedback
+  topics. One instance reads them all.
+- Past ``ingest.max_open_traces`` (open traces with spans) the stage pauses the spans topic
+  until traces complete or time out (``trace_timeout_s`` bounds how long that takes), so memory
+  stays bounded. The logs and feedback topics go on: the traces waiting are those that need
+  their feedback, and no trace is complete before its feedback wait ends.
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ from aiokafka.errors import KafkaError, ProducerFenced
 from combee_stream.config import Config
 from combee_stream.errors import BrokerUnavailableError, DecodeError, EngineHalted
 from combee_stream.formats.otlp import decode_telemetry
-from combee_stream.ingest.assembler import Assembler, Rejected, Written, WrittenMark
+from combee_stream.formats.phoenix import decode_annotations, is_annotations
+from combee_stream.ingest.assembler import Assembler, Rejected, TraceMark, Written
 from combee_stream.ingest.metrics import IngestMetrics
 from combee_stream.kafka.client import client_kwargs, start_client, stop_quietly
 from combee_stream.kafka.dlq import DeadLetter
@@ -49,7 +57,7 @@ from combee_stream.kafka.reader import read_to_end
 from combee_stream.kafka.topics import ensure_ingest_topics
 from combee_stream.logs import get_logger
 from combee_stream.retry import RetryPolicy
-from combee_stream.schemas import FeedbackRecord, decode, encode
+from combee_stream.schemas import FeedbackRecord, decode
 
 log = get_logger(__name__)
 
@@ -106,6 +114,7 @@ class IngestStage:
                 # the recovery, and it may repeat until the broker deadline (counted from the
                 # first failure since a session last got going).
                 now = time.monotonic()
+                self.metrics.health.assigned = False
                 if self._reading:
                     self._reading, failed_since, attempt = False, None, 0
                 failed_since = failed_since or now
@@ -150,15 +159,15 @@ class IngestStage:
             await stop_quietly(producer)
 
     async def _assembler(self) -> Assembler:
-        """A new assembler that knows every trace written and not yet settled."""
+        """A new assembler that knows every trace decided whose mark is kept."""
         cfg = self.config.ingest
-        assembler = Assembler(cfg)
+        assembler = Assembler(cfg, max_trace_bytes=self.config.kafka.max_message_bytes)
         for record in await read_to_end(self.config.kafka, cfg.state_topic, env=self._env):
             trace_id = record.key.decode()
             if record.value is None:
-                assembler.forget_written(trace_id)
+                assembler.forget(trace_id)
             else:
-                assembler.restore(trace_id, msgspec.json.decode(record.value, type=WrittenMark))
+                assembler.restore(trace_id, msgspec.json.decode(record.value, type=TraceMark))
         return assembler
 
     async def _loop(
@@ -172,6 +181,7 @@ class IngestStage:
         clock = _StreamClock()
         pending: list[Written | Rejected | DeadLetter] = []
         self._reading = True
+        self.metrics.health.assigned = True
         self.started.set()
         while not self._stop.is_set():
             batches = await consumer.getmany(timeout_ms=_POLL_MS, max_records=_MAX_RECORDS)
@@ -205,9 +215,9 @@ class IngestStage:
                 await self._flush(assembler, producer, pending, committed)
                 pending = []
                 last_flush = now
-            full = assembler.open_traces >= cfg.max_open_traces
+            full = assembler.assembling >= cfg.max_open_traces
             if full != paused:
-                parts = list(consumer.assignment())
+                parts = [tp for tp in consumer.assignment() if tp.topic == cfg.spans_topic]
                 (consumer.pause if full else consumer.resume)(*parts)
                 paused = full
                 if full:
@@ -226,8 +236,10 @@ class IngestStage:
         value: bytes | None = record.value
         self.metrics.records_in.labels(record.topic).inc()
         if value is None:
+            assembler.skip(ref)  # done with its dead letter (one transaction)
             return [DeadLetter.of_record(record, "record has no value (tombstone)", STAGE)]
         if len(value) > kafka.max_message_bytes:
+            assembler.skip(ref)
             letter = DeadLetter.of_record(
                 record,
                 f"oversized: {len(value)} bytes > kafka.max_message_bytes = "
@@ -237,6 +249,9 @@ class IngestStage:
             return [msgspec.structs.replace(letter, value=value[:65_536])]
         try:
             if record.topic == kafka.feedback_topic:
+                if is_annotations(value):  # a Phoenix annotations body, else a FeedbackRecord
+                    annotations = decode_annotations(value, s)
+                    return list(assembler.add_annotations(annotations, ref, now))
                 feedback = decode(value, FeedbackRecord)
                 return list(assembler.add_feedback(feedback, ref, now))
             signal: Literal["traces", "logs"] = (
@@ -244,6 +259,7 @@ class IngestStage:
             )
             telemetry = decode_telemetry(value, s.encoding, signal)
         except DecodeError as exc:
+            assembler.skip(ref)
             return [DeadLetter.of_record(record, exc.reason, STAGE)]
         self.metrics.spans_in.inc(len(telemetry.spans))
         return list(assembler.add_telemetry(telemetry, ref, now, record.timestamp / 1000))
@@ -261,22 +277,25 @@ class IngestStage:
         if not items and not offsets:
             return
         settled = assembler.settled({**committed, **offsets})
-        limit = kafka.max_message_bytes
         async with producer.transaction():
-            for n, item in enumerate(items):
+            for item in items:
                 if isinstance(item, Written):
-                    trace, value = item.trace, encode(item.trace)
-                    if len(value) <= limit:
-                        await producer.send(kafka.traces_topic, value=value, key=trace.key.encode())
-                        await producer.send(
-                            cfg.state_topic,
-                            value=msgspec.json.encode(item.mark),
-                            key=trace.trace_id.encode(),
-                        )
-                        continue
-                    # A record the broker would refuse would stop the stage for good: the
-                    # trace is a dead letter instead (its mark is not written: nothing to skip).
-                    item = items[n] = _oversized(trace.trace_id, trace.key, value, limit)
+                    trace = item.trace
+                    await producer.send(
+                        kafka.traces_topic, value=item.value, key=trace.key.encode()
+                    )
+                    await producer.send(
+                        cfg.state_topic,
+                        value=msgspec.json.encode(item.mark),
+                        key=trace.trace_id.encode(),
+                    )
+                    continue
+                if isinstance(item, Rejected) and item.mark is not None:
+                    await producer.send(
+                        cfg.state_topic,
+                        value=msgspec.json.encode(item.mark),
+                        key=item.trace_id.encode(),
+                    )
                 letter = (item if isinstance(item, DeadLetter) else _letter(item)).bounded(kafka)
                 await producer.send(
                     kafka.dlq_topic, value=letter.value, key=letter.key, headers=letter.headers()
@@ -290,30 +309,27 @@ class IngestStage:
         committed.update(offsets)
         for item in items:
             self.metrics.observe(item)
-
-
-def _oversized(trace_id: str, key: str, value: bytes, limit: int) -> Rejected:
-    return Rejected(
-        kind="unmappable",
-        reason=f"trace {trace_id} encodes to {len(value)} bytes > kafka.max_message_bytes = "
-        f"{limit} (fewer spans per trace, or a lower ingest.max_step_chars)",
-        trace_id=trace_id,
-        key=key,
-        payload=value,
-    )
+            if isinstance(item, Written) and item.evaluation_errors:
+                # Not an outcome (the run is learned without them), yet worth knowing once.
+                log.warning(
+                    "evaluations gave no result",
+                    trace_id=item.trace.trace_id,
+                    errors=item.evaluation_errors,
+                )
 
 
 def _letter(item: Rejected) -> DeadLetter:
     """A rejection as a dead letter: what was held (spans, events, feedback) as JSON, keyed by
     its prompt key when known (else its trace id), with the rejection kind in the reason."""
-    key = (item.key or item.trace_id).encode()
+    topic, partition, offset = item.source or ("", -1, -1)
+    key = item.key or item.trace_id
     return DeadLetter(
         reason=f"{item.kind}: {item.reason}",
         stage=STAGE,
-        topic="",
-        partition=-1,
-        offset=-1,
-        key=key,
+        topic=topic,
+        partition=partition,
+        offset=offset,
+        key=key.encode() if key else None,
         value=item.payload,
     )
 

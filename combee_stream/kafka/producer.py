@@ -66,7 +66,9 @@ class TraceProducer:
 
     async def send_feedback(self, record: FeedbackRecord) -> tuple[int, int]:
         """Send how a run went, after the fact, keyed by its trace id (the ingest stage joins
-        it to the trace it assembles from the run's spans)."""
+        it to the trace it assembles from the run's spans). The key is hashed with murmur2
+        (aiokafka's default): with several ingest instances the Collector's exporter must hash
+        its trace-id keys so too (``record_partitioner.sticky_key.hasher: murmur2``)."""
         meta = await self._producer.send_and_wait(
             self._cfg.feedback_topic, value=encode(record), key=record.trace_id.encode()
         )
