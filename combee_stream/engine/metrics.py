@@ -154,25 +154,33 @@ class EngineMetrics:
 
     def asgi_app(self) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
         """``/metrics``, ``/healthz`` (the process runs) and ``/readyz`` (assigned and restored)."""
-        metrics_app = make_asgi_app(self.registry)
+        return health_app(self.registry, self.health)
 
-        async def app(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] != "http":
-                return
-            path = scope.get("path", "")
-            if path == "/metrics":
-                await metrics_app(scope, receive, send)
-                return
-            if path == "/healthz":
-                ok = self.health.live
-            elif path == "/readyz":
-                ok = self.health.ready
-            else:
-                await _plain(send, 404, b"not found\n")
-                return
-            await _plain(send, 200 if ok else 503, b"ok\n" if ok else b"not ready\n")
 
-        return app
+def health_app(
+    registry: CollectorRegistry, health: Health
+) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """``/metrics`` of ``registry``, and ``/healthz`` / ``/readyz`` from ``health``: what the
+    engine and the ingest stage serve alike."""
+    metrics_app = make_asgi_app(registry)
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        path = scope.get("path", "")
+        if path == "/metrics":
+            await metrics_app(scope, receive, send)
+            return
+        if path == "/healthz":
+            ok = health.live
+        elif path == "/readyz":
+            ok = health.ready
+        else:
+            await _plain(send, 404, b"not found\n")
+            return
+        await _plain(send, 200 if ok else 503, b"ok\n" if ok else b"not ready\n")
+
+    return app
 
 
 async def _plain(send: Send, status: int, body: bytes) -> None:
@@ -186,4 +194,4 @@ async def _plain(send: Send, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-__all__ = ["OTHER_KEYS", "EngineMetrics", "Health", "KeyLabels"]
+__all__ = ["OTHER_KEYS", "EngineMetrics", "Health", "KeyLabels", "health_app"]

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Final
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from combee_stream.engine.metrics import Health, Receive, Scope, Send
+from combee_stream.engine.metrics import Health, Receive, Scope, Send, health_app
 from combee_stream.ingest.assembler import Rejected, Written
 from combee_stream.kafka.dlq import DeadLetter
 
@@ -74,29 +74,7 @@ class IngestMetrics:
 
     def asgi_app(self) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
         """``/metrics``, ``/healthz`` and ``/readyz``, as the engine serves them."""
-        metrics_app = make_asgi_app(self.registry)
-
-        async def app(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] != "http":
-                return
-            path = scope.get("path", "")
-            if path == "/metrics":
-                await metrics_app(scope, receive, send)
-                return
-            ok = {"/healthz": self.health.live, "/readyz": self.health.ready}.get(path)
-            status, body = (
-                (404, b"not found\n") if ok is None else (200, b"ok\n") if ok else (503, b"no\n")
-            )
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": status,
-                    "headers": [(b"content-type", b"text/plain")],
-                }
-            )
-            await send({"type": "http.response.body", "body": body})
-
-        return app
+        return health_app(self.registry, self.health)
 
     def observe(self, item: Written | Rejected | DeadLetter) -> None:
         """One item made durable."""

@@ -137,18 +137,20 @@ class IngestStage:
         producer = make_producer(
             kafka, self._env, transactional_id=f"{cfg.group_id}.ingest.{self.instance}"
         )
-        consumer = AIOKafkaConsumer(
-            **client_kwargs(kafka, self._env),
-            group_id=cfg.group_id,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            isolation_level="read_committed",
-            session_timeout_ms=kafka.session_timeout_ms,
-            max_partition_fetch_bytes=max(1_048_576, kafka.max_message_bytes),
-        )
         rebalanced = _Rebalanced()
         await start_client(producer, kafka)  # fences an earlier run of this instance
         try:
+            # Made only now: a consumer made before a start that fails or is cancelled would be
+            # left unclosed (aiokafka's "Unclosed AIOKafkaConsumer" at exit).
+            consumer = AIOKafkaConsumer(
+                **client_kwargs(kafka, self._env),
+                group_id=cfg.group_id,
+                enable_auto_commit=False,
+                auto_offset_reset="earliest",
+                isolation_level="read_committed",
+                session_timeout_ms=kafka.session_timeout_ms,
+                max_partition_fetch_bytes=max(1_048_576, kafka.max_message_bytes),
+            )
             await start_client(consumer, kafka)
             try:
                 consumer.subscribe(self._topics, listener=rebalanced)

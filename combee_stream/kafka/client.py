@@ -71,8 +71,13 @@ async def start_client(client: Any, cfg: KafkaConfig) -> None:
     to check (not a traceback and a warning about an unclosed client)."""
     try:
         await client.start()
-    except (KafkaError, OSError) as exc:
-        await stop_quietly(client)
+    except BaseException as exc:
+        # Stopped whatever ended the start (a cancelled start too: a shutdown, a sibling task's
+        # failure), so no half-started client is left open.
+        with anyio.move_on_after(10, shield=True):
+            await stop_quietly(client)
+        if not isinstance(exc, KafkaError | OSError):
+            raise
         bootstrap = cfg.bootstrap_servers
         if await anyio.to_thread.run_sync(_reachable, bootstrap):
             raise UserError(
