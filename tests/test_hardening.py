@@ -458,6 +458,55 @@ async def test_topics_create_bounds_the_history_and_traces_topics_too(
 
 
 @pytest.mark.anyio
+async def test_a_partition_owned_again_never_publishes_through_a_producer_fenced_meanwhile(
+    config: Config, unique: str
+) -> None:
+    """Found by the two-instance test: an instance that lost a partition while its producer was
+    starting kept that producer; another owner fenced it; given the partition back, the
+    instance restored through it (so fenced no one) and every publish failed as fenced, so the
+    partition's keys stopped learning for good. A producer serves one assignment only."""
+    from aiokafka.errors import ProducerFenced
+
+    from combee_stream.core.llm import LLMClient
+    from combee_stream.engine.metrics import EngineMetrics
+    from combee_stream.engine.partition import PartitionState
+    from combee_stream.engine.publisher import Publisher
+    from combee_stream.kafka.producer import make_producer
+
+    cfg = engine_config(config, unique, "http://127.0.0.1:9/v1")
+    await ensure_topics(cfg.kafka)
+    partitions: dict[int, PartitionState] = {}
+    publisher = Publisher(cfg, partitions, EngineMetrics(10), LLMClient(cfg.llm, env={}))
+    await publisher.start()
+    other = make_producer(
+        cfg.kafka, transactional_id=f"{cfg.kafka.group_id}.{cfg.kafka.traces_topic}.0"
+    )
+    try:
+        first = partitions[0] = PartitionState(0, generation=1)
+        stale = await publisher.txn_producer(first)
+        await other.start()  # another owner initialises the partition's id: ours is fenced
+        with pytest.raises(ProducerFenced):
+            async with stale.transaction():
+                await stale.send_and_wait(cfg.kafka.traces_topic, b"x", partition=0)
+        # Ours again, as after a rebalance the revocation of which raced the producer's start
+        # (the stale producer is still in the publisher's hands).
+        again = partitions[0] = PartitionState(0, generation=2)
+        fresh = await publisher.txn_producer(again)
+        assert fresh is not stale
+        async with fresh.transaction():  # it fenced the other owner, and it works
+            await fresh.send_and_wait(cfg.kafka.traces_topic, b"y", partition=0)
+        assert await publisher.txn_producer(again) is fresh  # one per assignment, kept
+        # An earlier assignment's work asking for a producer gets none, and leaves the current
+        # owner's alone.
+        with pytest.raises(ProducerFenced):
+            await publisher.txn_producer(first)
+        assert await publisher.txn_producer(again) is fresh
+    finally:
+        await other.stop()
+        await publisher.close()
+
+
+@pytest.mark.anyio
 async def test_a_paused_zombie_instance_cannot_fork_the_version_chain(
     config: Config, unique: str, tmp_path: Path
 ) -> None:

@@ -170,10 +170,16 @@ async def sim_process(settings: SimSettings) -> AsyncIterator[str]:
                 process.kill()
 
 
+def bulk_batch_bytes(kafka: KafkaConfig) -> int:
+    """Large batches for bulk loads, yet within what ``topics create`` lets the traces topic take
+    (``kafka.max_message_bytes`` bounds a whole record batch; half leaves room for framing)."""
+    return min(1 << 20, kafka.max_message_bytes // 2)
+
+
 async def produce_bulk(kafka: KafkaConfig, traces: Sequence[Trace], chunk: int = 2000) -> None:
     """Send ``traces`` fast: unawaited sends in chunks, then one wait per chunk."""
     producer = AIOKafkaProducer(
-        **client_kwargs(kafka), linger_ms=20, max_batch_size=1 << 20, acks=1
+        **client_kwargs(kafka), linger_ms=20, max_batch_size=bulk_batch_bytes(kafka), acks=1
     )
     await producer.start()
     try:
@@ -240,6 +246,7 @@ async def watch_engine(metrics: Any, total: int, limit_s: float, every_s: float 
 
 __all__ = [
     "Progress",
+    "bulk_batch_bytes",
     "delete_topics",
     "engine_config",
     "fresh_topics",

@@ -34,7 +34,7 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 
-from combee_stream.bench.harness import fresh_topics, metric_total, with_broker
+from combee_stream.bench.harness import bulk_batch_bytes, fresh_topics, metric_total, with_broker
 from combee_stream.bench.report import Target, document, table
 from combee_stream.config import Config
 from combee_stream.ingest import IngestStage
@@ -152,7 +152,9 @@ async def _fill(config: Config, topic: str, count: int, *, root: bool) -> None:
         await admin.create_topics([NewTopic(topic, kafka.partitions, 1)])
     finally:
         await admin.close()
-    producer = AIOKafkaProducer(**client_kwargs(kafka), linger_ms=20, max_batch_size=1 << 20)
+    producer = AIOKafkaProducer(
+        **client_kwargs(kafka), linger_ms=20, max_batch_size=bulk_batch_bytes(kafka)
+    )
     await producer.start()
     try:
         for start in range(0, count, 2000):

@@ -290,7 +290,7 @@ class Engine:
                 # Fence first, then read: initialising the partition's transactional id
                 # aborts or waits out the transaction of any earlier owner (a zombie), so the
                 # read below sees every version that will ever be committed before ours.
-                await self._publisher.txn_producer(state.partition)
+                await self._publisher.txn_producer(state)
                 # Streamed: a few numbers per key are kept, never every key's update (a key's
                 # update is read back when it becomes active). An undecodable record halts.
                 newest, forks = await index_partition(self.config.kafka, state.partition, self._env)

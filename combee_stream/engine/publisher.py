@@ -89,14 +89,15 @@ class Publisher:
         self._env = env
         self._eos = config.engine.processing_guarantee == "exactly_once"
         self._producer = make_producer(config.kafka, env)
-        self._txn_producers: dict[int, AIOKafkaProducer] = {}
+        # Each for the assignment (PartitionState) it was made for: see txn_producer.
+        self._txn_producers: dict[int, tuple[PartitionState, AIOKafkaProducer]] = {}
         self._rng = random.Random()
 
     async def start(self) -> None:
         await start_client(self._producer, self._config.kafka)
 
     async def close(self) -> None:
-        for producer in [*self._txn_producers.values(), self._producer]:
+        for producer in [*(p for _, p in self._txn_producers.values()), self._producer]:
             await stop_quietly(producer)
         self._txn_producers.clear()
 
@@ -206,9 +207,9 @@ class Publisher:
         except _Refused as refused:
             # The failed batch used up a sequence number: the producer's next send would be
             # out of order for good. A new one (a new epoch of the same id) starts clean.
-            producer = self._txn_producers.pop(part.partition, None)
-            if producer is not None:
-                await stop_quietly(producer)
+            made = self._txn_producers.pop(part.partition, None)
+            if made is not None:
+                await stop_quietly(made[1])
             size = update_bytes(update)
             log.error(
                 "version refused by the broker as too large: the window is rejected for size "
@@ -275,36 +276,50 @@ class Publisher:
 
     # ------------------------------------------------------------------ producers
 
-    async def txn_producer(self, partition: int) -> AIOKafkaProducer:
-        producer = self._txn_producers.get(partition)
-        if producer is None:
-            kafka = self._config.kafka
-            # One transactional id per input partition: a zombie owner of the same partition
-            # is fenced when the new owner initialises its producer.
-            producer = make_producer(
-                kafka,
-                self._env,
-                transactional_id=f"{kafka.group_id}.{kafka.traces_topic}.{partition}",
-            )
-            try:
-                await producer.start()
-            except BaseException:
-                await stop_quietly(producer)
-                raise
-            self._txn_producers[partition] = producer
+    async def txn_producer(self, part: PartitionState) -> AIOKafkaProducer:
+        """The transactional producer of ``part``'s assignment. A producer made for an earlier
+        assignment of the same partition is never reused: if the partition was revoked while it
+        started, another owner may have fenced it since, and a restore that took it for ours
+        would not fence that owner, and every publish after would fail as fenced."""
+        if self._partitions.get(part.partition) is not part:
+            raise ProducerFenced()  # an earlier assignment's work: the partition is not its own
+        made = self._txn_producers.get(part.partition)
+        if made is not None and made[0] is part:
+            return made[1]
+        if made is not None:
+            del self._txn_producers[part.partition]
+            await stop_quietly(made[1])
+        kafka = self._config.kafka
+        # One transactional id per input partition: a zombie owner of the same partition
+        # is fenced when the new owner initialises its producer.
+        producer = make_producer(
+            kafka,
+            self._env,
+            transactional_id=f"{kafka.group_id}.{kafka.traces_topic}.{part.partition}",
+        )
+        try:
+            await producer.start()
+        except BaseException:
+            await stop_quietly(producer)
+            raise
+        if self._partitions.get(part.partition) is not part:
+            # Revoked while it started: it is no one's (and drop_partition has come and gone).
+            await stop_quietly(producer)
+            raise ProducerFenced()
+        self._txn_producers[part.partition] = (part, producer)
         return producer
 
     def drop_partition(self, partition: int, tg: Any) -> None:
         """Forget a revoked partition's transactional producer (closed in the background)."""
-        producer = self._txn_producers.pop(partition, None)
-        if producer is not None:
-            tg.start_soon(stop_quietly, producer)
+        made = self._txn_producers.pop(partition, None)
+        if made is not None:
+            tg.start_soon(stop_quietly, made[1])
 
     async def _send_update(
         self, part: PartitionState, update: PromptUpdate, learned: Sequence[Any]
     ) -> None:
         kafka = self._config.kafka
-        producer = await self.txn_producer(part.partition)
+        producer = await self.txn_producer(part)
         # The version and its history records (and the expiry of the one history_versions
         # older) go in one transaction: the history never misses or invents a version.
         if not self._eos:
