@@ -297,8 +297,11 @@ async def test_dead_lettered_input_is_committed_and_never_dead_lettered_again(
 
 
 def letter_kinds(letters: Sequence[Any], trace_id: str) -> list[str]:
-    """The rejection kinds of the dead letters that name ``trace_id``, in order."""
-    reasons = [dict(r.headers)[H_ERROR].decode() for r in letters]
+    """The rejection kinds of the dead letters that name ``trace_id``, in the order they were
+    written: one trace's letters may be keyed apart (by its trace id before its prompt key is
+    known, by the key after), so they can sit on different DLQ partitions."""
+    ordered = sorted(letters, key=lambda r: r.timestamp)
+    reasons = [dict(r.headers)[H_ERROR].decode() for r in ordered]
     return [r.split(":", 1)[0] for r in reasons if trace_id in r]
 
 
