@@ -618,21 +618,26 @@ async def test_a_trace_sent_twice_is_learned_once(config: Config, unique: str) -
     assert skipped == 3
 
 
+# A wrong address, and SASL against the PLAINTEXT test broker: what every command must say.
+BROKER_MISCONFIGURED = [
+    ({"COMBEE__KAFKA__BOOTSTRAP_SERVERS": "127.0.0.1:1"}, "no Kafka broker answers at"),
+    (
+        {
+            "COMBEE__KAFKA__SECURITY_PROTOCOL": "SASL_PLAINTEXT",
+            "COMBEE__KAFKA__SASL_MECHANISM": "PLAIN",
+            "COMBEE_KAFKA_USERNAME": "user",
+            "COMBEE_KAFKA_PASSWORD": "wrong",
+        },
+        "is reachable but the Kafka handshake failed",
+    ),
+]
+BROKER_MISCONFIGURED_IDS = ["wrong-bootstrap", "sasl-mismatch"]
+
+
 @pytest.mark.parametrize(
     ("overrides", "says"),
-    [
-        ({"COMBEE__KAFKA__BOOTSTRAP_SERVERS": "127.0.0.1:1"}, "no Kafka broker answers at"),
-        (
-            {
-                "COMBEE__KAFKA__SECURITY_PROTOCOL": "SASL_PLAINTEXT",
-                "COMBEE__KAFKA__SASL_MECHANISM": "PLAIN",
-                "COMBEE_KAFKA_USERNAME": "user",
-                "COMBEE_KAFKA_PASSWORD": "wrong",
-            },
-            "is reachable but the Kafka handshake failed",
-        ),
-    ],
-    ids=["wrong-bootstrap", "sasl-mismatch"],
+    BROKER_MISCONFIGURED,
+    ids=BROKER_MISCONFIGURED_IDS,
 )
 def test_a_misconfigured_broker_connection_is_one_clear_line(
     kafka_bootstrap: str, overrides: dict[str, str], says: str
@@ -1201,19 +1206,8 @@ async def test_run_refuses_llm_settings_that_cannot_work_in_one_line(
 @pytest.mark.parametrize("command", ["run", "produce"])
 @pytest.mark.parametrize(
     ("overrides", "says"),
-    [
-        ({"COMBEE__KAFKA__BOOTSTRAP_SERVERS": "127.0.0.1:1"}, "no Kafka broker answers at"),
-        (
-            {
-                "COMBEE__KAFKA__SECURITY_PROTOCOL": "SASL_PLAINTEXT",
-                "COMBEE__KAFKA__SASL_MECHANISM": "PLAIN",
-                "COMBEE_KAFKA_USERNAME": "user",
-                "COMBEE_KAFKA_PASSWORD": "wrong",
-            },
-            "is reachable but the Kafka handshake failed",
-        ),
-    ],
-    ids=["wrong-bootstrap", "sasl-mismatch"],
+    BROKER_MISCONFIGURED,
+    ids=BROKER_MISCONFIGURED_IDS,
 )
 def test_run_and_produce_with_a_misconfigured_broker_connection_are_one_clear_line(
     config: Config,

@@ -296,6 +296,15 @@ async def test_dead_lettered_input_is_committed_and_never_dead_lettered_again(
     assert any("tombstone" in r for r in reasons), reasons
 
 
+async def export_spans(http_endpoint: str, runs: Sequence[AgentRun]) -> None:
+    """Each run's spans to a Collector over OTLP/HTTP, as an agent's exporter sends them."""
+    exporter = OTLPSpanExporter(endpoint=f"{http_endpoint}/v1/traces")
+    for run in runs:
+        result = await anyio.to_thread.run_sync(exporter.export, run.spans)
+        assert result == SpanExportResult.SUCCESS
+    exporter.shutdown()
+
+
 def letter_kinds(letters: Sequence[Any], trace_id: str) -> list[str]:
     """The rejection kinds of the dead letters that name ``trace_id``, in the order they were
     written: one trace's letters may be keyed apart (by its trace id before its prompt key is
@@ -785,11 +794,7 @@ async def test_through_the_real_collector_agents_get_a_new_prompt_version(
                 logs_topic=cfg.ingest.logs_topic,
                 binary=otelcol_binary,
             ) as collector:
-                exporter = OTLPSpanExporter(endpoint=f"{collector.http_endpoint}/v1/traces")
-                for run in runs:
-                    result = await anyio.to_thread.run_sync(exporter.export, run.spans)
-                    assert result == SpanExportResult.SUCCESS
-                exporter.shutdown()
+                await export_spans(collector.http_endpoint, runs)
                 async with TraceProducer(cfg.kafka) as producer:
                     for run in runs:
                         task = tasks[run.task]
@@ -832,11 +837,7 @@ async def test_the_collectors_otlp_json_is_assembled_as_its_protobuf_would_be(
             logs_topic=cfg.ingest.logs_topic,
             binary=otelcol_binary,
         ) as collector:
-            exporter = OTLPSpanExporter(endpoint=f"{collector.http_endpoint}/v1/traces")
-            for run in runs:
-                result = await anyio.to_thread.run_sync(exporter.export, run.spans)
-                assert result == SpanExportResult.SUCCESS
-            exporter.shutdown()
+            await export_spans(collector.http_endpoint, runs)
             traces = {t.trace_id: t for t in await wait_for_traces(cfg, len(runs))}
         stage.stop()
     written = await read_to_end(cfg.kafka, cfg.ingest.spans_topic)

@@ -5,6 +5,7 @@ reading the engine's metrics."""
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import socket
 import sys
@@ -170,6 +171,15 @@ async def sim_process(settings: SimSettings) -> AsyncIterator[str]:
                 process.kill()
 
 
+def rss_mb() -> float:
+    """This process's resident memory (VmRSS), in MiB; NaN where /proc has none."""
+    with open(f"/proc/{os.getpid()}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def bulk_batch_bytes(kafka: KafkaConfig) -> int:
     """Large batches for bulk loads, yet within what ``topics create`` lets the traces topic take
     (``kafka.max_message_bytes`` bounds a whole record batch; half leaves room for framing)."""
@@ -253,6 +263,7 @@ __all__ = [
     "metric_total",
     "produce_bulk",
     "read_updates",
+    "rss_mb",
     "running_engine",
     "sim_process",
     "watch_engine",

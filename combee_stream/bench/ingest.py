@@ -18,7 +18,6 @@ message per trace keyed by its hex id as with ``partition_traces_by_id``). Then,
 from __future__ import annotations
 
 import json
-import os
 import tracemalloc
 import uuid
 from typing import Final
@@ -34,7 +33,13 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 
-from combee_stream.bench.harness import bulk_batch_bytes, fresh_topics, metric_total, with_broker
+from combee_stream.bench.harness import (
+    bulk_batch_bytes,
+    fresh_topics,
+    metric_total,
+    rss_mb,
+    with_broker,
+)
 from combee_stream.bench.report import Target, document, table
 from combee_stream.config import Config
 from combee_stream.ingest import IngestStage
@@ -188,14 +193,6 @@ async def _bare(config: Config, topic: str, count: int) -> float:
         await consumer.stop()
 
 
-def _rss_mb() -> float:
-    with open(f"/proc/{os.getpid()}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def _stage_config(config: Config, spans_topic: str, **ingest: object) -> Config:
     """A stage reading ``spans_topic`` into topics of its own (the harness's fresh topics)."""
     cfg = fresh_topics(config, "ingest", partitions=config.kafka.partitions)
@@ -247,7 +244,7 @@ async def run_ingest(config: Config, settings: IngestSettings) -> IngestReport:
         trace_timeout_s=3600.0,
         max_open_traces=s.open_traces + 1,
     )
-    before = _rss_mb()
+    before = rss_mb()
     tracemalloc.start()  # from before the stage: its clients' start-up is counted too
     stage = IngestStage(cfg)
     async with anyio.create_task_group() as tg:
@@ -260,7 +257,7 @@ async def run_ingest(config: Config, settings: IngestSettings) -> IngestReport:
         heap_open = tracemalloc.get_traced_memory()[0]
         tracemalloc.stop()
         opened = int(metric_total(stage.metrics.open_traces))
-        rss_open = _rss_mb()
+        rss_open = rss_mb()
         stage.stop()
 
     await _fill(config, f"{run}.spans", s.traces, root=True)

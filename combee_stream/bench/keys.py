@@ -12,8 +12,6 @@ and the simulator together: compare the slope, not the level.
 
 from __future__ import annotations
 
-import os
-
 import anyio
 import msgspec
 
@@ -22,6 +20,7 @@ from combee_stream.bench.harness import (
     fresh_topics,
     metric_total,
     produce_bulk,
+    rss_mb,
     running_engine,
     with_broker,
 )
@@ -64,14 +63,6 @@ class KeysReport(msgspec.Struct, kw_only=True):
     rss_mb_per_1000_keys: float  # slope from the first sample to the last
     targets: list[Target]
     notes: list[str]
-
-
-def _rss_mb() -> float:
-    with open(f"/proc/{os.getpid()}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def _trace(key: str) -> Trace:
@@ -121,7 +112,7 @@ async def run_keys(config: Config, settings: KeysSettings) -> KeysReport:
                         live_pipelines=len(engine._intake.keys),
                         index_entries=sum(len(p.index) for p in engine._partitions.values()),
                         metric_series=series,
-                        rss_mb=_rss_mb(),
+                        rss_mb=rss_mb(),
                     )
                 )
     first, last = samples[0], samples[-1]
