@@ -401,7 +401,7 @@ def test_packaged_prompts_carry_the_contract_blocks() -> None:
     prompts = load_prompts()
     assert prompts.version == "v1"
     for template, tags in (
-        (prompts.reflector, ("playbook", "bullets_used", "trace")),
+        (prompts.reflector, ("bullets_used", "trace")),
         (prompts.curator, ("playbook", "reflections")),
         (prompts.combiner, ("playbook", "partial_updates")),
     ):
@@ -409,6 +409,8 @@ def test_packaged_prompts_carry_the_contract_blocks() -> None:
         for tag in tags:
             assert f"<{tag}>" in lines and f"</{tag}>" in lines
         assert template.system
+    # The reflector sees the bullets the trace cited, not the playbook (as in ACE).
+    assert "<playbook>" not in prompts.reflector.user
 
 
 def test_prompts_dir_overrides_and_is_checked(tmp_path: Path) -> None:
@@ -432,7 +434,7 @@ def test_prompts_dir_overrides_and_is_checked(tmp_path: Path) -> None:
     assert filled[1]["content"].startswith("Budget 9; p\ns\n<playbook>\nPB {stats}\n")
     assert '{"operations": []}, {unknown} stays.' in filled[1]["content"]
     (tmp_path / "reflector.md").write_text("{playbook} {trace} {bullets_used}\n<trace>\n")
-    with pytest.raises(UserError, match=r"reflector\.md.*<playbook>"):
+    with pytest.raises(UserError, match=r"reflector\.md.*<bullets_used>"):
         load_prompts(tmp_path)
 
 
@@ -492,3 +494,57 @@ def test_proposals_from_one_snapshot_commit_in_turn_with_rebase() -> None:
         assert proposed_adds > len(two.applied.added), "rebase dropped lessons already present"
 
     anyio.run(run)
+
+
+def test_prompts_are_stable_first_so_a_prefix_cache_reuses_them() -> None:
+    """Two windows of one key: the second's playbook has one more bullet, its reflections,
+    progress and statistics differ. Their curator prompts must agree on everything before the
+    new bullet (instructions, the answer format, the playbook so far), and every window line
+    must come after the playbook: a prefix cache then reuses all of that."""
+    from combee_stream.core.playbook import apply
+    from combee_stream.core.prompts import (
+        ReflectionRecord,
+        combiner_messages,
+        curator_messages,
+        reflector_messages,
+    )
+    from combee_stream.schemas import AddOp, Delta, Feedback, Reflection, Source, Trace
+
+    prompts = load_prompts()
+    first = apply(
+        new_playbook("k"),
+        Delta(key="k", operations=[AddOp(section="OTHERS", content="When A, do B.")]),
+        token_budget=None,
+    ).playbook
+    second = apply(
+        first,
+        Delta(key="k", operations=[AddOp(section="OTHERS", content="When C, do D.")]),
+        token_budget=None,
+    ).playbook
+
+    def record(i: int) -> ReflectionRecord:
+        reflection = Reflection(key="k", source=Source(trace_id=f"t{i}"), key_insight=f"rule {i}")
+        return ReflectionRecord(reflection=reflection, task=f"task {i}")
+
+    one = curator_messages(prompts, first, [record(1)], progress="window 1", token_budget=900)
+    two = curator_messages(prompts, second, [record(2)], progress="window 2", token_budget=900)
+    assert one[0] == two[0]  # the system message
+    a, b = one[1]["content"], two[1]["content"]
+    common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    # They part exactly where the second playbook's new bullet starts...
+    assert a[:common].endswith("When A, do B.\n")
+    assert b[common:].startswith("[misc-00002]")
+    # ...and the window's own lines (progress, statistics, records) come after the playbook.
+    for text in (a, b):
+        end = text.index("</playbook>")
+        assert text.index("Progress:") > end and text.index("<reflections>") > end
+        assert text.index("Playbook statistics:") > end
+        assert text.index('"operations"') < text.index("<playbook>")  # the format is stable
+    partial = Delta(key="k", operations=[AddOp(section="OTHERS", content="When E, do F.")])
+    combined = combiner_messages(prompts, first, [partial], token_budget=900)[1]["content"]
+    assert combined.index("<partial_updates>") > combined.index("</playbook>")
+    # The reflector's prompt depends on the trace alone (the bullets it cited and the trace).
+    trace = Trace(
+        key="k", trace_id="t", task="What is 2 + 2?", output="4", feedback=Feedback(passed=True)
+    )
+    assert reflector_messages(prompts, first, trace) == reflector_messages(prompts, second, trace)

@@ -529,13 +529,13 @@ def test_memo_keeps_only_the_newest_entries_when_bounded() -> None:
 
 
 def test_replies_with_raw_control_characters_in_strings_are_accepted() -> None:
-    raw = '{"reasoning": "line one\nline two", "operations": []}'
+    raw = '{"operations": [{"type": "ADD", "section": "OTHERS", "content": "one\ntwo"}]}'
     value = decode_reply(raw, CuratorOutput)
-    assert value.reasoning == "line one\nline two"
+    assert value.operations[0].content == "one\ntwo"  # type: ignore[union-attr]
     with pytest.raises(msgspec.DecodeError):
-        decode_reply('{"reasoning": "cut', CuratorOutput)
+        decode_reply('{"operations": [{"type": "ADD", "sec', CuratorOutput)
     with pytest.raises(msgspec.ValidationError):
-        decode_reply('{"reasoning": 3, "operations": []}', CuratorOutput)
+        decode_reply('{"operations": 3}', CuratorOutput)
 
 
 def test_bound_schema_limits_strings_and_lists_but_not_enums() -> None:

@@ -89,8 +89,12 @@ def playbooks(draw: st.DrawFn) -> Playbook:
 def test_render_lists_base_prompt_then_sections_and_bullets() -> None:
     text = pb.render(seeded())
     assert text.startswith("You are a careful agent.\n\n## STRATEGIES & INSIGHTS\n")
-    assert "[strat-00001] helpful=0 harmful=0 :: alpha use" in text
-    assert "[calc-00002] helpful=1 harmful=0 :: beta x" in text
+    # Agents read bullets without counters; the curator's view carries them.
+    assert "[strat-00001] alpha use\n" in text and "helpful=" not in text
+    assert "[calc-00002] beta x\n" in text
+    curator_view = pb.render(seeded(), counters=True)
+    assert "[strat-00001] helpful=0 harmful=0 :: alpha use" in curator_view
+    assert "[calc-00002] helpful=1 harmful=0 :: beta x" in curator_view
     assert text.index("## FORMULAS & CALCULATIONS") < text.index("## OTHERS")
     assert estimate_tokens(text) == math.ceil(len(text) / 4)
     assert pb.playbook_tokens(seeded()) == estimate_tokens(text)

@@ -504,18 +504,22 @@ def test_realism_makes_the_simulated_roles_err_as_real_models_do() -> None:
         "k0-l001", "When the API returns an empty page, retry once with a smaller request."
     )
     assert paraphrase(lesson).text == lesson.text.replace("retry", "repeat", 1)
-    prompts = [reflector_prompt([f"k0-l{i:03d}"], False, bullets=[]) for i in range(400)]
-    playbook = "<playbook>\n[strat-00007] helpful=0 harmful=0 :: old\n</playbook>\n"
-    off = [reflect(playbook + p, seed=1) for p in prompts]
-    assert all(len(find_lessons(o.key_insight)) == 1 and not o.bullet_tags for o in off)
+    # Each trace cited strat-00007; a realistic reflector sometimes also tags an id it never
+    # saw (it is shown only the cited bullets).
+    prompts = [
+        reflector_prompt([f"k0-l{i:03d}"], False, bullets=["strat-00007"]) for i in range(400)
+    ]
+    off = [reflect(p, seed=1) for p in prompts]
+    assert all(len(find_lessons(o.key_insight)) == 1 for o in off)
+    assert all([t.bullet_id for t in o.bullet_tags] == ["strat-00007"] for o in off)
     real = RealismModel(miss=0.2, invent=0.3, uncited_tags=0.25)
-    on = [reflect(playbook + p, seed=1, realism=real) for p in prompts]
+    on = [reflect(p, seed=1, realism=real) for p in prompts]
     missed = sum(not any(x.id.startswith("k0-") for x in find_lessons(o.key_insight)) for o in on)
     vague = ("Be careful.", "Double-check the work.", "Read the task again.")
     invented = sum(o.key_insight.split("\n", 1)[0] in vague for o in on)
-    tagged = sum(bool(o.bullet_tags) for o in on)
+    tagged = sum(len(o.bullet_tags) > 1 for o in on)
     assert 40 <= missed <= 120 and 80 <= invented <= 160 and 60 <= tagged <= 140
-    assert all(t.bullet_id == "strat-00007" for o in on for t in o.bullet_tags)
+    assert {t.bullet_id for o in on for t in o.bullet_tags} == {"strat-00007", "strat-00008"}
     reworded = curate(
         curator_prompt(["k0-l001"] * 2, playbook_lessons=[]),
         seed=1,

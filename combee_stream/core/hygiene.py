@@ -1,6 +1,6 @@
 """Which proposed bullets do not earn a place in the playbook, before they are applied.
 
-A real model's curator (Qwen2.5-Coder at 0.5B, on ACE's Formula tasks) writes bullets that
+A real model's curator (Qwen2.5-Coder at 0.5B and 1.5B, on ACE's Formula tasks) writes bullets that
 restate the task they came from ("To calculate the WACC, the agent should have applied the
 formula ...", with the task's own numbers), repeat one sentence across sections with a word
 changed, or say nothing reusable ("Be careful."). Exact dedup catches none of them; these
@@ -12,9 +12,9 @@ is counted by reason in the version's stats (``UpdateStats.skipped``):
   added or dropped), whatever their order. Two lessons that differ in a clause, or in a number
   ("monthly ... 12" against "quarterly ... 4"), stay apart; the optional embedding dedup
   catches rewordings beyond that.
-- ``restates_task``: most of the bullet's words come from one of the window's tasks
-  (``RESTATED`` of its content words) or it repeats a number of four digits or more that the
-  task gave: an instance, not a lesson.
+- ``restates_task``: most of the bullet's words come from its own task (``RESTATED`` of its
+  content words) or it repeats a number of four digits or more that the task gave: an
+  instance, not a lesson.
 - ``too_long``: longer than ``learning.max_bullet_chars`` (a lesson is a rule, not a document:
   one trace must not fill the prompt of every agent of its key).
 - ``policy``: it matches a pattern of ``learning.content_policy`` (links, e-mail addresses,
@@ -23,17 +23,37 @@ is counted by reason in the version's stats (``UpdateStats.skipped``):
   (``GENERIC``: "always double-check the formula and the conventions" teaches nothing a model
   did not already try to do).
 
-The thresholds are the module's constants; a rejected ADD is reported, never silently lost.
+- ``bullet_markup``: it carries a rendered bullet's id or counters (``strat-00008]
+  helpful=0 harmful=0 :: ...``): a small model copying the playbook's own lines into a bullet.
+
+``restates_task`` compares a bullet with the tasks of the curator groups that proposed it (its
+own sources; the window's tasks for a bullet only a combiner wrote), and a bullet that carries a
+formula or a rule with operators (``ceil(debt / payment)``) is not refused for sharing its
+task's nouns: naming the quantities is what a formula does. It still may not carry the task's
+own large numbers.
+
+UPDATEs and REMOVEs are reviewed too (:func:`review_edits`): curation keeps what it learned
+unless evidence says otherwise. A REMOVE needs evidence against its bullet (harmful above
+helpful, counting this window's tags, or a trace of the window tagging it harmful):
+``unsupported_remove``. An UPDATE that changes a bullet's meaning (drops most of its words or
+any of its numbers) needs the same evidence: ``unsupported_update``; one that refines it (keeps
+its words and numbers, adds detail) does not. Both are checked for length, policy and markup
+like an ADD. Without this, with k curator groups a new bullet had k chances per window to be
+deleted by one curator's whim (a real run removed the one bullet it had added, a window later).
+
+The thresholds are the module's constants; a rejected operation is reported, never silently
+lost.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from typing import Final
 
-from combee_stream.core.playbook import SkipReason, normalize
-from combee_stream.schemas import AddOp, Delta, Playbook
+from combee_stream.core.playbook import SkippedOp, SkipReason, normalize
+from combee_stream.schemas import AddOp, Delta, Playbook, RemoveOp, UpdateOp
 
 NEAR_DUPLICATE_WORDS: Final = 2
 RESTATED: Final = 0.75
@@ -52,6 +72,13 @@ GENERIC: Final = frozenset(
     "solution method methods values value all any each every before after carefully".split()
 )
 _BIG_NUMBER = re.compile(r"\d[\d,]{3,}(?:\.\d+)?")
+_ANY_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+# A rendered bullet's id ("strat-00008]") or counters ("helpful=0"): playbook markup.
+_MARKUP = re.compile(r"\b[a-z]{2,6}-\d{5}\]|\b(?:helpful|harmful)\s*=\s*\d")
+# An operator between two terms, or a function call: the bullet states a formula or a rule.
+_FORMULA = re.compile(r"[\w)\]]\s*[*/=×÷^]\s*[\w(]|\s[-+]\s[\w(]|\b[a-zA-Z_]\w*\(")
+# An UPDATE keeps a bullet's meaning when it keeps this share of its content words.
+KEPT_MEANING: Final = 0.7
 
 
 def content_words(text: str) -> list[str]:
@@ -67,12 +94,64 @@ def _numbers(text: str) -> set[str]:
     return {m.replace(",", "") for m in _BIG_NUMBER.findall(text)}
 
 
+def carries_markup(text: str) -> bool:
+    return _MARKUP.search(text) is not None
+
+
+def has_formula(text: str) -> bool:
+    return _FORMULA.search(text) is not None
+
+
+def keeps_meaning(old: str, new: str) -> bool:
+    """Whether ``new`` refines ``old`` rather than replacing it: it keeps KEPT_MEANING of its
+    content words and every number it states."""
+    old_words = set(content_words(old))
+    kept = len(old_words & set(content_words(new))) / len(old_words) if old_words else 1.0
+    return kept >= KEPT_MEANING and set(_ANY_NUMBER.findall(old)) <= set(_ANY_NUMBER.findall(new))
+
+
+def contested(playbook: Playbook, delta: Delta) -> set[str]:
+    """Bullets with evidence against them: harmful above helpful once the delta's tags count,
+    or tagged harmful by a trace of the delta."""
+    helpful = Counter(t.bullet_id for t in delta.tags if t.tag == "helpful")
+    harmful = Counter(t.bullet_id for t in delta.tags if t.tag == "harmful")
+    return {
+        b.id
+        for s in playbook.sections
+        for b in s.bullets
+        if harmful[b.id] or b.harmful + harmful[b.id] > b.helpful + helpful[b.id]
+    }
+
+
 def compile_policy(patterns: Sequence[str]) -> list[re.Pattern[str]]:
     return [re.compile(p, re.IGNORECASE) for p in patterns]
 
 
 def violates(text: str, policy: Sequence[re.Pattern[str]]) -> bool:
     return any(pattern.search(text) for pattern in policy)
+
+
+def _text_problem(
+    text: str, max_chars: int, policy: Sequence[re.Pattern[str]]
+) -> SkipReason | None:
+    if len(text) > max_chars:
+        return "too_long"
+    if violates(text, policy):
+        return "policy"
+    if carries_markup(text):
+        return "bullet_markup"
+    return None
+
+
+def restates(text: str, task: str) -> bool:
+    """Whether a bullet is an instance of ``task`` rather than a lesson (see the module)."""
+    if _numbers(text) & _numbers(task):
+        return True
+    words = content_words(text)
+    if not words or has_formula(text):
+        return False
+    known = set(content_words(task))
+    return sum(1 for w in words if w in known) / len(words) >= RESTATED
 
 
 def review_adds(
@@ -82,34 +161,29 @@ def review_adds(
     *,
     max_chars: int = 2000,
     policy: Sequence[re.Pattern[str]] = (),
+    own_tasks: Mapping[str, Sequence[str]] | None = None,
 ) -> dict[int, SkipReason]:
-    """Index (among the delta's ADDs) -> why it is rejected, for the ADDs that are."""
+    """Index (among the delta's ADDs) -> why it is rejected, for the ADDs that are.
+    ``own_tasks``: normalised content -> the tasks of the curator groups that proposed it;
+    an ADD not in it is compared with all of ``tasks``."""
     adds = [op for op in delta.operations if isinstance(op, AddOp)]
     existing = [b.content for s in playbook.sections for b in s.bullets]
     exact = {normalize(text) for text in existing}
     kept = [frozenset(content_words(text)) for text in existing]
-    task_words = [set(content_words(t)) for t in tasks]
-    task_numbers = [_numbers(t) for t in tasks]
     rejected: dict[int, SkipReason] = {}
     for i, add in enumerate(adds):
-        if len(add.content) > max_chars:
-            rejected[i] = "too_long"
-            continue
-        if violates(add.content, policy):
-            rejected[i] = "policy"
+        problem = _text_problem(add.content, max_chars, policy)
+        if problem is not None:
+            rejected[i] = problem
             continue
         norm = normalize(add.content)
         words = content_words(add.content)
         if len(words) < MIN_WORDS or all(w in GENERIC for w in words):
             rejected[i] = "no_lesson"
             continue
-        numbers = _numbers(add.content)
-        for known_words, known_numbers in zip(task_words, task_numbers, strict=True):
-            overlap = sum(1 for w in words if w in known_words) / len(words)
-            if overlap >= RESTATED or numbers & known_numbers:
-                rejected[i] = "restates_task"
-                break
-        if i in rejected:
+        sources = (own_tasks or {}).get(norm, tasks)
+        if any(restates(add.content, task) for task in sources):
+            rejected[i] = "restates_task"
             continue
         if norm in exact:
             continue  # an exact duplicate: apply skips it as such
@@ -122,14 +196,49 @@ def review_adds(
     return rejected
 
 
+def review_edits(
+    playbook: Playbook,
+    delta: Delta,
+    *,
+    max_chars: int = 2000,
+    policy: Sequence[re.Pattern[str]] = (),
+) -> list[SkippedOp]:
+    """The delta's UPDATEs and REMOVEs that are refused, with why (see the module)."""
+    against = contested(playbook, delta)
+    by_id = {b.id: b for s in playbook.sections for b in s.bullets}
+    refused: list[SkippedOp] = []
+    for op in delta.operations:
+        if isinstance(op, UpdateOp):
+            problem = _text_problem(op.content, max_chars, policy)
+            target = by_id.get(op.bullet_id)
+            if problem is not None:
+                refused.append(SkippedOp(op=op, reason=problem))
+            elif (
+                target is not None
+                and op.bullet_id not in against
+                and not keeps_meaning(target.content, op.content)
+            ):
+                refused.append(SkippedOp(op=op, reason="unsupported_update"))
+        elif isinstance(op, RemoveOp) and op.bullet_id in by_id and op.bullet_id not in against:
+            refused.append(SkippedOp(op=op, reason="unsupported_remove"))
+    return refused
+
+
 __all__ = [
     "GENERIC",
+    "KEPT_MEANING",
     "MIN_WORDS",
     "NEAR_DUPLICATE_WORDS",
     "RESTATED",
+    "carries_markup",
     "compile_policy",
     "content_words",
+    "contested",
+    "has_formula",
+    "keeps_meaning",
     "near_duplicates",
+    "restates",
     "review_adds",
+    "review_edits",
     "violates",
 ]

@@ -56,7 +56,8 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 import anyio
@@ -67,7 +68,7 @@ from combee_stream.config import Config, LearningConfig
 from combee_stream.core.delta import empty, merge, rebase
 from combee_stream.core.gate import AcceptAll, Candidate, PublishGate, Verdict, gate_from_config
 from combee_stream.core.holdout import HoldoutPolicy
-from combee_stream.core.hygiene import compile_policy, review_adds, violates
+from combee_stream.core.hygiene import compile_policy, review_adds, review_edits, violates
 from combee_stream.core.llm import ChatMessage, Completion, LLMCallError, LLMClient, Role
 from combee_stream.core.outputs import (
     ConsolidatorOutput,
@@ -84,6 +85,7 @@ from combee_stream.core.playbook import (
     apply,
     apply_semantic,
     copy_playbook,
+    normalize,
     playbook_tokens,
 )
 from combee_stream.core.prompts import (
@@ -106,6 +108,7 @@ from combee_stream.core.scan import (
 from combee_stream.errors import CombeeError
 from combee_stream.logs import get_logger
 from combee_stream.schemas import (
+    AddOp,
     BudgetRejection,
     BulletTag,
     Consolidation,
@@ -117,11 +120,11 @@ from combee_stream.schemas import (
     Playbook,
     Reflection,
     Rejection,
+    RemoveOp,
     Section,
     SizeRejection,
     Source,
     Trace,
-    UpdateOp,
 )
 
 T = TypeVar("T")
@@ -188,6 +191,9 @@ class Proposal(Struct):
     reflections: list[Reflection]
     stats: WindowStats
     tasks: list[str] = []  # the window's task texts (the bullet review checks restatements)
+    # Normalised ADD content -> the tasks of the curator groups that proposed it (its sources).
+    add_tasks: dict[str, list[str]] = {}
+    skipped: list[SkippedOp] = []  # operations the reduce refused (REMOVEs of a minority)
 
 
 class WindowResult(Struct):
@@ -418,11 +424,19 @@ class Learner:
         groups = augmented_shuffle(records, window_plan.duplication, window_plan.groups, rng)
         budget = self._config.token_budget
 
+        add_tasks: dict[str, list[str]] = {}
+        remove_votes: Counter[str] = Counter()
+
         async def curate(group: Sequence[ReflectionRecord]) -> Delta:
             messages = curator_messages(
                 self._prompts, tagged, group, progress=progress, token_budget=budget
             )
             out = await self._call("curator", messages, CuratorOutput, stats)
+            group_tasks = [rec.task for rec in group if rec.task]
+            for op in out.operations:
+                if isinstance(op, AddOp):
+                    add_tasks.setdefault(normalize(op.content), []).extend(group_tasks)
+            remove_votes.update({op.bullet_id for op in out.operations if isinstance(op, RemoveOp)})
             return Delta(
                 key=key,
                 operations=list(out.operations),
@@ -450,9 +464,22 @@ class Learner:
         stats.rounds = 1 + 1 + tree.combine_rounds  # the Map, level 1, LLM combine levels
         stats.delay_s = anyio.current_time() - started
         tasks = [rec.task for rec in records if rec.task]
+        # A union keeps any one curator's REMOVE: with k groups a bullet would have k chances
+        # per window to be deleted. A REMOVE stands only when at least half the groups that
+        # saw the playbook propose it (each sees it whole, so each could have).
+        minority = [
+            op
+            for op in tree_delta.operations
+            if isinstance(op, RemoveOp) and 2 * remove_votes[op.bullet_id] < window_plan.groups
+        ]
+        if minority:
+            kept_ops = [op for op in tree_delta.operations if op not in minority]
+            tree_delta = msgspec.structs.replace(tree_delta, operations=kept_ops)
         return Proposal(
-            key, snapshot.version, merge(base, tree_delta), failed, done, stats, tasks=tasks
-        )
+            key, snapshot.version, merge(base, tree_delta), failed, done, stats, tasks=tasks,
+            add_tasks={k: list(dict.fromkeys(v)) for k, v in add_tasks.items()},
+            skipped=[SkippedOp(op=op, reason="minority_remove") for op in minority],
+        )  # fmt: skip
 
     def held_out(self, trace: Trace) -> HeldOutTask | None:
         """The held-out task ``trace`` is kept as instead of being learned (the replay gate),
@@ -500,7 +527,14 @@ class Learner:
             )
         if onto.version != delta.base_version:
             delta = rebase(delta, onto)
-        result = await self._apply(onto, delta, proposal.tasks)
+
+        async def reviewed(base: Playbook, budget: int | None = -1) -> ApplyResult:
+            return await self._apply(
+                base, delta, proposal.tasks, budget=budget, own_tasks=proposal.add_tasks,
+                refused=proposal.skipped,
+            )  # fmt: skip
+
+        result = await reviewed(onto)
         limit = self.max_update_bytes if measure is not None else None
 
         def built(
@@ -533,18 +567,14 @@ class Learner:
         base, consolidation = onto, None
         if self._near_budget(onto, result, size(result, delta)):
             # (What fit the budget is what no budget gives: not applied, nor reviewed, twice.)
-            full = (
-                result
-                if result.applied
-                else await self._apply(onto, delta, proposal.tasks, budget=None)
-            )
+            full = result if result.applied else await reviewed(onto, budget=None)
             merged, consolidation = await self.consolidate(full.playbook, stats)
             if consolidation is not None and fits(narrowed := _narrowed(full, merged)):
                 result = narrowed
             else:
                 base, consolidation = await self.consolidate(onto, stats)
                 if consolidation is not None:
-                    result = await self._apply(base, delta, proposal.tasks)
+                    result = await reviewed(base)
         applied_delta = delta
         report: GateReport | None = None
         rejection: Rejection | None = result.rejected
@@ -732,19 +762,22 @@ class Learner:
         return out, report
 
     async def _apply(
-        self, snapshot: Playbook, delta: Delta, tasks: Sequence[str], *, budget: int | None = -1
+        self,
+        snapshot: Playbook,
+        delta: Delta,
+        tasks: Sequence[str],
+        *,
+        budget: int | None = -1,
+        own_tasks: Mapping[str, Sequence[str]] | None = None,
+        refused: Sequence[SkippedOp] = (),
     ) -> ApplyResult:
-        """The bullet review, then the delta applied within ``budget`` (default: the token
-        budget; None: no limit)."""
+        """The review (:mod:`~combee_stream.core.hygiene`: ADDs, UPDATEs and REMOVEs), then the
+        delta applied within ``budget`` (default: the token budget; None: no limit)."""
         limit, policy = self._config.max_bullet_chars, self._policy
-        rejected = review_adds(snapshot, delta, tasks, max_chars=limit, policy=policy)
-        refused: list[SkippedOp] = []
-        for op in delta.operations:
-            if isinstance(op, UpdateOp):
-                if len(op.content) > limit:
-                    refused.append(SkippedOp(op=op, reason="too_long"))
-                elif violates(op.content, policy):
-                    refused.append(SkippedOp(op=op, reason="policy"))
+        rejected = review_adds(
+            snapshot, delta, tasks, max_chars=limit, policy=policy, own_tasks=own_tasks
+        )
+        refused = [*refused, *review_edits(snapshot, delta, max_chars=limit, policy=policy)]
         if refused:
             drop = [r.op for r in refused]
             kept = [op for op in delta.operations if op not in drop]

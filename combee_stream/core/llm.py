@@ -8,6 +8,13 @@ with exponential backoff and full jitter; all attempts share one ``max_attempts`
 failure every call would meet alike is an outage (see ``status_kind``): the endpoint's circuit
 breaker (``core.breaker``) makes callers wait for it instead of failing.
 Every finished call is stored in a ``CompletionMemo``, so the same request is never paid twice.
+
+A reply cut at ``max_tokens`` (``finish_reason`` "length") is its own outcome: it is not
+re-asked as an invalid reply with the same cap (that would only be cut again), but sent once more
+with twice the cap; a second cut fails the call. ``max_tokens`` 0 (the default) is derived from
+the schema's bounds (:func:`schema_token_bound`), so a bounded role's worst case always fits.
+A request that failed for good and is asked again (a retried window) is sent at a higher
+temperature and another seed: identical requests would only fail identically.
 """
 
 from __future__ import annotations
@@ -92,7 +99,8 @@ class Completion(msgspec.Struct, Generic[T], frozen=True, kw_only=True):
     value: T
     tokens_in: int
     tokens_out: int
-    cached: bool
+    cached: bool  # served from the memo (no request)
+    tokens_cached: int = 0  # of tokens_in, served from the server's prompt cache
     attempts: int  # HTTP requests made by this call (0 when cached)
     latency_s: float
 
@@ -105,7 +113,11 @@ class RoleUsage(msgspec.Struct, kw_only=True):
     failed_calls: int = 0
     retries: int = 0  # attempts beyond the first, for any reason
     invalid_replies: int = 0  # replies that did not validate against the schema
+    truncated_replies: int = 0  # replies cut at max_tokens (finish_reason "length")
     tokens_in: int = 0
+    # Prompt tokens the server served from its prompt cache (usage.prompt_tokens_details.
+    # cached_tokens, which OpenAI and llama-server fill): a subset of tokens_in.
+    tokens_cached: int = 0
     tokens_out: int = 0
     cost_usd: float = 0.0
     latency_s: float = 0.0  # summed wall time of the calls, waits included
@@ -145,6 +157,35 @@ class MissingEndpointError(UserError):
 class _Endpoint(msgspec.Struct, frozen=True):
     base_url: str
     api_key: str
+
+
+# Added to a role's temperature each time the very same request failed for good before.
+RETRY_WARMING: Final = 0.3
+_MAX_FAILED_KEYS: Final = 10_000
+
+
+class _Sampling(msgspec.Struct, frozen=True):
+    temperature: float
+    seed: int | None
+    max_tokens: int
+
+
+class _Reply(msgspec.Struct, frozen=True):
+    text: str
+    finish_reason: str
+    tokens_in: int
+    tokens_out: int
+    tokens_cached: int
+
+
+class _Sent(msgspec.Struct):
+    """A validated value and what every attempt of its call paid."""
+
+    value: Any
+    tokens_in: int
+    tokens_out: int
+    tokens_cached: int
+    attempts: int
 
 
 class _Transient(Exception):
@@ -263,9 +304,16 @@ def output_schema(output_type: type[Any]) -> dict[str, Any]:
     return schema
 
 
+# Fields that hold a name or an id, never prose: bounded tighter than ``max_string_chars`` so
+# that the worst case of a reply (what ``max_tokens`` must leave room for) is not inflated by
+# room no real value needs.
+SHORT_FIELDS: Final = {"section": 64, "bullet_id": 32, "tag": 16}
+
+
 def bound_schema(schema: Any, max_string_chars: int, max_list_items: int) -> Any:
     """A copy of ``schema`` whose strings and arrays carry ``maxLength`` / ``maxItems``
-    (0 leaves that kind unbounded); enums and existing tighter bounds are kept."""
+    (0 leaves that kind unbounded); enums and existing tighter bounds are kept, and the
+    properties named in ``SHORT_FIELDS`` get their own, smaller bound."""
     if isinstance(schema, list):
         return [bound_schema(item, max_string_chars, max_list_items) for item in schema]
     if not isinstance(schema, dict):
@@ -275,7 +323,63 @@ def bound_schema(schema: Any, max_string_chars: int, max_list_items: int) -> Any
         out["maxLength"] = min(out.get("maxLength", max_string_chars), max_string_chars)
     if out.get("type") == "array" and max_list_items:
         out["maxItems"] = min(out.get("maxItems", max_list_items), max_list_items)
+    properties = out.get("properties")
+    if max_string_chars and isinstance(properties, dict):
+        for name, limit in SHORT_FIELDS.items():
+            field = properties.get(name)
+            if isinstance(field, dict) and field.get("type") == "string" and "enum" not in field:
+                field["maxLength"] = min(field.get("maxLength", limit), limit)
     return out
+
+
+# Worst-case characters per token of a JSON reply: English prose is about 4, digits, symbols
+# and JSON punctuation nearer 1-2; 3 over a whole string errs on the side of room.
+_CHARS_PER_TOKEN: Final = 3
+_DEFAULT_MAX_TOKENS: Final = 2048  # an unbounded schema's cap
+
+
+def schema_token_bound(schema: Any, defs: dict[str, Any] | None = None) -> int | None:
+    """Tokens of the longest reply ``schema`` allows (keys, punctuation and values), or None
+    when it has an unbounded string or array. ``$ref`` is resolved against ``$defs``."""
+    if defs is None:
+        defs = schema.get("$defs", {}) if isinstance(schema, dict) else {}
+    if not isinstance(schema, dict):
+        return 1
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/$defs/"):
+        return schema_token_bound(defs[ref.removeprefix("#/$defs/")], defs)
+    for union in ("anyOf", "oneOf"):
+        if union in schema:
+            bounds = [schema_token_bound(option, defs) for option in schema[union]]
+            return None if any(b is None for b in bounds) else max(b or 0 for b in bounds)
+    if "enum" in schema:
+        return max((len(str(v)) // _CHARS_PER_TOKEN + 2 for v in schema["enum"]), default=2)
+    kind = schema.get("type")
+    if kind == "string":
+        limit = schema.get("maxLength")
+        return None if limit is None else -(-int(limit) // _CHARS_PER_TOKEN) + 2
+    if kind == "array":
+        items, limit = schema.get("items", {}), schema.get("maxItems")
+        item = schema_token_bound(items, defs)
+        return None if limit is None or item is None else int(limit) * (item + 1) + 2
+    if kind == "object":
+        total = 2
+        for name, sub in schema.get("properties", {}).items():
+            bound = schema_token_bound(sub, defs)
+            if bound is None:
+                return None
+            total += bound + len(name) // _CHARS_PER_TOKEN + 3
+        return total
+    return 8  # a number, a boolean, null
+
+
+def max_tokens_for(rc: RoleConfig, schema: dict[str, Any]) -> int:
+    """The cap a role's request gets: its ``max_tokens`` when set, else the worst case of its
+    (bounded) schema, else a default for unbounded schemas."""
+    if rc.max_tokens:
+        return rc.max_tokens
+    bound = schema_token_bound(schema)
+    return bound if bound is not None else _DEFAULT_MAX_TOKENS
 
 
 def _refers_to(node: object, ref: str) -> bool:
@@ -358,6 +462,7 @@ class LLMClient:
         self._clients: dict[_Endpoint, openai.AsyncOpenAI] = {}
         self._usage: dict[str, RoleUsage] = {role: RoleUsage() for role in ROLES}
         self._schemas: dict[type[Any], dict[str, Any]] = {}  # msgspec's schema costs ~0.3 ms
+        self._failed: dict[str, int] = {}  # request key -> times it failed for good
         self._closed = False
 
     # ---------------------------------------------------------------- endpoints
@@ -592,28 +697,37 @@ class LLMClient:
         usage = self._usage[role]
         started = anyio.current_time()
         attempts = 0
+        cached_tokens = 0
+        # A request that already failed for good in this client (a retried window) is varied:
+        # the same request would only fail the same way (temperature 0 is deterministic).
+        retry = self._failed.get(key, 0)
 
         async def compute() -> MemoEntry:
-            nonlocal attempts
-            value, tokens_in, tokens_out, attempts = await self._call_until_valid(
-                role, rc, endpoint, messages, output_type, schema
+            nonlocal attempts, cached_tokens
+            sent = await self._call_until_valid(
+                role, rc, endpoint, messages, output_type, schema, retry=retry
             )
+            attempts, cached_tokens = sent.attempts, sent.tokens_cached
             return MemoEntry(
                 key=key,
                 role=role,
                 model=rc.model,
-                value=msgspec.Raw(msgspec.json.encode(value)),
-                tokens_in=tokens_in,
-                tokens_out=tokens_out,
+                value=msgspec.Raw(msgspec.json.encode(sent.value)),
+                tokens_in=sent.tokens_in,
+                tokens_out=sent.tokens_out,
             )
 
         try:
             entry, hit = await self._memo.get_or_compute(key, compute)
         except LLMCallError:
+            self._failed[key] = retry + 1
+            if len(self._failed) > _MAX_FAILED_KEYS:  # parked for good: forget the oldest
+                del self._failed[next(iter(self._failed))]
             usage.calls += 1
             usage.failed_calls += 1
             usage.latency_s += anyio.current_time() - started
             raise
+        self._failed.pop(key, None)
         latency = anyio.current_time() - started
         usage.calls += 1
         usage.latency_s += latency
@@ -625,6 +739,7 @@ class LLMClient:
             tokens_in=0 if hit else entry.tokens_in,
             tokens_out=0 if hit else entry.tokens_out,
             cached=hit,
+            tokens_cached=0 if hit else cached_tokens,
             attempts=0 if hit else attempts,
             latency_s=latency,
         )
@@ -637,8 +752,11 @@ class LLMClient:
         messages: list[ChatMessage],
         output_type: type[T],
         schema: dict[str, Any],
-    ) -> tuple[T, int, int, int]:
-        """Attempts until a reply validates; returns (value, tokens_in, tokens_out, attempts)."""
+        *,
+        retry: int = 0,
+    ) -> _Sent:
+        """Attempts until a reply validates. ``retry``: how often this very request already
+        failed for good (it is then sent warmer and with another seed)."""
         request = list(messages)
         response_format: dict[str, Any] | None = None
         if rc.mode == "json_schema":
@@ -651,20 +769,24 @@ class LLMClient:
             response_format = {"type": "json_object", "schema": schema}
         else:
             request = _with_instruction(request, _schema_instruction(schema))
+        sampling = _Sampling(
+            temperature=min(1.0, rc.temperature + RETRY_WARMING * retry),
+            seed=retry or None,
+            max_tokens=max_tokens_for(rc, schema),
+        )
         conversation = request
         usage = self._usage[role]
         client = self._client(endpoint)
-        spent_in = spent_out = 0
+        spent = _Sent(value=None, tokens_in=0, tokens_out=0, tokens_cached=0, attempts=0)
         reason = ""
         attempt = 0
+        widened = False
         while attempt < self._config.max_attempts:
             attempt += 1
             if attempt > 1:
                 usage.retries += 1
             try:
-                reply, tokens_in, tokens_out = await self._send_chat(
-                    client, rc, conversation, response_format
-                )
+                reply = await self._send_chat(client, rc, conversation, response_format, sampling)
             except _Transient as exc:
                 reason = exc.reason
                 if exc.outage and self._breaker(client, rc.model).open:
@@ -674,13 +796,30 @@ class LLMClient:
                 continue
             except _Fatal as exc:
                 self._fail(role, exc.reason, attempt)
-            spent_in += tokens_in
-            spent_out += tokens_out
-            usage.tokens_in += tokens_in
-            usage.tokens_out += tokens_out
-            usage.cost_usd += (tokens_in * rc.price_in + tokens_out * rc.price_out) / 1e6
+            spent.tokens_in += reply.tokens_in
+            spent.tokens_out += reply.tokens_out
+            spent.tokens_cached += reply.tokens_cached
+            usage.tokens_in += reply.tokens_in
+            usage.tokens_out += reply.tokens_out
+            usage.tokens_cached += reply.tokens_cached
+            usage.cost_usd += (
+                reply.tokens_in * rc.price_in + reply.tokens_out * rc.price_out
+            ) / 1e6
+            if reply.finish_reason == "length":
+                # Cut at the cap: the same request would be cut again. Once more with twice
+                # the room; a reply that does not fit that either fails the call.
+                usage.truncated_replies += 1
+                log.warning(
+                    "llm.reply_cut", role=role, attempt=attempt, max_tokens=sampling.max_tokens
+                )
+                reason = f"reply cut at max_tokens={sampling.max_tokens}"
+                if widened:
+                    break
+                widened = True
+                sampling = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens * 2)
+                continue
             try:
-                text = extract_json(reply) if rc.mode == "text" else reply
+                text = extract_json(reply.text) if rc.mode == "text" else reply.text
                 value = decode_reply(text, output_type)
             except (_InvalidReply, msgspec.DecodeError) as exc:
                 usage.invalid_replies += 1
@@ -689,12 +828,18 @@ class LLMClient:
                 # Keep only the latest bad reply so the conversation does not grow per attempt.
                 conversation = [
                     *request,
-                    {"role": "assistant", "content": reply},
+                    {"role": "assistant", "content": reply.text},
                     {"role": "user", "content": _reask(str(exc))},
                 ]
                 continue
-            return value, spent_in, spent_out, attempt
-        self._fail(role, reason, self._config.max_attempts)
+            return _Sent(
+                value=value,
+                tokens_in=spent.tokens_in,
+                tokens_out=spent.tokens_out,
+                tokens_cached=spent.tokens_cached,
+                attempts=attempt,
+            )
+        self._fail(role, reason, attempt)
 
     def _fail(self, role: str, reason: str, attempts: int) -> NoReturn:
         log.error("llm.call_failed", role=role, attempts=attempts, reason=reason)
@@ -706,8 +851,9 @@ class LLMClient:
         rc: RoleConfig,
         conversation: list[ChatMessage],
         response_format: dict[str, Any] | None,
-    ) -> tuple[str, int, int]:
-        """One HTTP request; returns (reply text, tokens in, tokens out)."""
+        sampling: _Sampling,
+    ) -> _Reply:
+        """One HTTP request and what it returned."""
         estimate = estimate_tokens("".join(m.get("content", "") for m in conversation))
         extra_body = {"response_format": response_format} if response_format else None
 
@@ -715,8 +861,9 @@ class LLMClient:
             return await client.chat.completions.create(
                 model=rc.model,
                 messages=cast("list[ChatCompletionMessageParam]", conversation),
-                temperature=rc.temperature,
-                max_tokens=rc.max_tokens,
+                temperature=sampling.temperature,
+                max_tokens=sampling.max_tokens,
+                seed=sampling.seed if sampling.seed is not None else openai.omit,
                 extra_body=extra_body,
                 timeout=self._config.timeout_s,
             )
@@ -725,6 +872,7 @@ class LLMClient:
         usage = getattr(response, "usage", None)
         choices = getattr(response, "choices", None) or []
         message = getattr(choices[0], "message", None) if choices else None
+        finish = getattr(choices[0], "finish_reason", None) if choices else None
         reply = getattr(message, "content", None)
         if not isinstance(reply, str):
             reply = ""
@@ -732,8 +880,16 @@ class LLMClient:
         tokens_out = getattr(usage, "completion_tokens", None)
         tokens_in = tokens_in if isinstance(tokens_in, int) else estimate
         tokens_out = tokens_out if isinstance(tokens_out, int) else estimate_tokens(reply)
+        details = getattr(usage, "prompt_tokens_details", None)
+        cached = getattr(details, "cached_tokens", None)
         self._rate.settle(estimate, tokens_in + tokens_out)
-        return reply, tokens_in, tokens_out
+        return _Reply(
+            text=reply,
+            finish_reason=finish if isinstance(finish, str) else "",
+            tokens_in=tokens_in,
+            tokens_out=tokens_out,
+            tokens_cached=min(cached, tokens_in) if isinstance(cached, int) else 0,
+        )
 
     async def _send(self, send: Callable[[], Awaitable[R]], estimate: int, breaker: Breaker) -> R:
         """Run one request under the endpoint's circuit breaker, the concurrency and rate

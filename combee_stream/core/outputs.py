@@ -1,5 +1,9 @@
 """What each LLM role must return: msgspec Structs whose JSON Schema is sent as the response
-format and against which every reply is validated (and re-asked on failure)."""
+format and against which every reply is validated (and re-asked on failure).
+
+Every field is used: none asks for free-form "reasoning" that would be decoded and dropped.
+Output tokens are the slow part of a CPU-served model (a few per second per slot), and the
+reflector's diagnosis fields already are its reasoning, written before its key insight."""
 
 from __future__ import annotations
 
@@ -9,9 +13,8 @@ from combee_stream.schemas import BulletTag, Operation
 
 
 class ReflectorOutput(Struct, forbid_unknown_fields=False):
-    """Diagnosis of one trace (ACE's reflector output)."""
+    """Diagnosis of one trace (ACE's reflector output, without its free-form reasoning)."""
 
-    reasoning: str
     error_identification: str
     root_cause_analysis: str
     correct_approach: str
@@ -23,7 +26,6 @@ class ReflectorOutputNoTags(Struct, forbid_unknown_fields=False):
     """The reflector's output for a trace that cited no bullet: nothing to tag, so the schema
     does not ask for tags (small models otherwise fill the list with invented ids)."""
 
-    reasoning: str
     error_identification: str
     root_cause_analysis: str
     correct_approach: str
@@ -33,7 +35,6 @@ class ReflectorOutputNoTags(Struct, forbid_unknown_fields=False):
 class CuratorOutput(Struct, forbid_unknown_fields=False):
     """Playbook operations proposed by a curator (level-1 node) or a combiner (level-2 node)."""
 
-    reasoning: str
     operations: list[Operation]
 
 
@@ -47,7 +48,6 @@ class Merge(Struct, forbid_unknown_fields=False):
 class ConsolidatorOutput(Struct, forbid_unknown_fields=False):
     """What the consolidator proposes for one section near the budget: merges only."""
 
-    reasoning: str
     merges: list[Merge] = []
 
 

@@ -86,6 +86,10 @@ SkipReason = Literal[
     "no_lesson",
     "too_long",
     "policy",
+    "bullet_markup",  # content carrying a rendered bullet's id or counters
+    "unsupported_remove",  # a REMOVE of a bullet no evidence speaks against
+    "unsupported_update",  # an UPDATE changing a bullet's meaning without evidence
+    "minority_remove",  # a REMOVE proposed by fewer than half of the window's curator groups
 ]
 
 # Provenance kept per bullet: the newest this many trace ids (bounded, like the update's size).
@@ -158,24 +162,32 @@ def section_slug(name: str) -> str:
     return _SLUGS.get(key) or "".join(w[0] for w in key.split("_") if w)[:4] or "misc"
 
 
-def render_bullet(bullet: Bullet) -> str:
+def render_bullet(bullet: Bullet, *, counters: bool = False) -> str:
+    """``[id] text``, or with ``counters`` ``[id] helpful=h harmful=r :: text`` (the curator's
+    view: it decides on the counts; an agent would only read noise in them)."""
     # Bullets come from traces through the LLM: fenced like any untrusted text.
     content = fence(bullet.content)
-    return f"[{bullet.id}] helpful={bullet.helpful} harmful={bullet.harmful} :: {content}"
+    if counters:
+        return f"[{bullet.id}] helpful={bullet.helpful} harmful={bullet.harmful} :: {content}"
+    return f"[{bullet.id}] {content}"
 
 
-def render(playbook: Playbook, *, empty_sections: bool = False) -> str:
+def render(playbook: Playbook, *, empty_sections: bool = False, counters: bool = False) -> str:
     """The system prompt: ``base_prompt``, then each section as ``## NAME`` and its bullets.
 
-    Agents get no empty headers; the LLM roles ask for them (``empty_sections=True``) so the
-    curator sees every section it may add to."""
+    Agents get no empty headers and no counters; the LLM roles ask for both
+    (``empty_sections=True, counters=True``) so the curator sees every section it may add to
+    and the evidence for and against each bullet."""
     parts: list[str] = []
     if playbook.base_prompt.strip():
         parts.append(playbook.base_prompt.rstrip())
     for section in playbook.sections:
         if not section.bullets and not empty_sections:
             continue
-        lines = [f"## {section.name}", *(render_bullet(b) for b in section.bullets)]
+        lines = [
+            f"## {section.name}",
+            *(render_bullet(b, counters=counters) for b in section.bullets),
+        ]
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
 

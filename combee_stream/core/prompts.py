@@ -6,10 +6,19 @@ The wording lives in ``combee_stream/core/prompts/{reflector,curator,combiner,co
 ``<!-- system -->`` and ``<!-- user -->`` (a file without them is all user message), and
 ``{placeholders}``:
 
-- reflector: ``{playbook}``, ``{bullets_used}``, ``{trace}``
+- reflector: ``{bullets_used}``, ``{trace}`` (and optionally ``{playbook}``)
 - curator: ``{playbook}``, ``{reflections}``, ``{progress}``, ``{stats}``, ``{token_budget}``
 - combiner: ``{playbook}``, ``{partial_updates}``, ``{token_budget}``
 - consolidator: ``{section}``, ``{section_bullets}`` (one section of a playbook near its budget)
+
+Layout (prefix caching): every template is stable first and variable last: instructions and the
+answer format, then the playbook, then what changes per call (window lines, records, the trace).
+A server's prompt cache (llama-server per slot, a hosted API's prompt caching, which bills cached
+input at a fraction) reuses the longest common prefix of consecutive requests, so the calls of
+one window share everything up to their records, and consecutive windows share the instructions
+and the playbook up to its first changed bullet. The reflector is shown only the bullets the
+trace cited (as ACE's is), not the playbook: its prompt then depends on the trace alone, and
+a trace reflected for two strategies or in a retried window is one request.
 
 Only these names are substituted (one pass, so a value containing ``{x}`` is left alone, and JSON
 examples in a template need no escaping). ``LearningConfig.prompts_dir`` points to a folder whose
@@ -53,7 +62,7 @@ _PLACEHOLDER = re.compile(r"\{([a-z_]+)\}")
 
 # Placeholders and tagged blocks each template must carry.
 _REQUIRED: Final[dict[PromptRole, tuple[tuple[str, ...], tuple[str, ...]]]] = {
-    "reflector": (("playbook", "bullets_used", "trace"), ("playbook", "bullets_used", "trace")),
+    "reflector": (("bullets_used", "trace"), ("bullets_used", "trace")),
     "curator": (
         ("playbook", "reflections", "progress", "stats", "token_budget"),
         ("playbook", "reflections"),
@@ -224,13 +233,13 @@ def render_stats(s: PlaybookStats) -> str:
 
 
 def reflector_messages(prompts: Prompts, playbook: Playbook, trace: Trace) -> list[ChatMessage]:
-    return prompts.reflector.fill(
-        {
-            "playbook": render(playbook, empty_sections=True).strip(),
-            "bullets_used": render_bullets_used(playbook, trace),
-            "trace": render_trace(trace),
-        }
-    )
+    values = {
+        "bullets_used": render_bullets_used(playbook, trace),
+        "trace": render_trace(trace),
+    }
+    if "{playbook}" in prompts.reflector.user:  # an overriding template that asks for it
+        values["playbook"] = render(playbook, empty_sections=True, counters=True).strip()
+    return prompts.reflector.fill(values)
 
 
 def curator_messages(
@@ -245,7 +254,7 @@ def curator_messages(
     s = playbook_stats or stats(playbook)
     return prompts.curator.fill(
         {
-            "playbook": render(playbook, empty_sections=True).strip(),
+            "playbook": render(playbook, empty_sections=True, counters=True).strip(),
             "reflections": render_reflections(records),
             "progress": progress or "not given",
             "stats": render_stats(s),
@@ -259,7 +268,7 @@ def combiner_messages(
 ) -> list[ChatMessage]:
     return prompts.combiner.fill(
         {
-            "playbook": render(playbook, empty_sections=True).strip(),
+            "playbook": render(playbook, empty_sections=True, counters=True).strip(),
             "partial_updates": render_partial_updates(partials),
             "token_budget": f"{token_budget} tokens",
         }

@@ -80,7 +80,7 @@ _VAGUE = ("Be careful.", "Double-check the work.", "Read the task again.")
 def reflect(prompt: str, *, seed: int = 0, realism: RealismModel | None = None) -> ReflectorOutput:
     """Copy every lesson marker of the trace into ``key_insight``; tag each cited bullet helpful
     if the trace passed, harmful otherwise. With ``realism``: miss lessons, invent a vague one,
-    tag bullets the agent did not cite."""
+    tag a bullet id the agent did not cite."""
     realism = realism or RealismModel()
     trace = block(prompt, "trace") or ""
     here = _digest(trace)
@@ -97,14 +97,16 @@ def reflect(prompt: str, *, seed: int = 0, realism: RealismModel | None = None) 
     )
     passed = _PASSED_TRUE.search(trace) is not None
     used = _BULLET_REF.findall(block(prompt, "bullets_used") or "")
-    if unit(seed, "uncited", here) < realism.uncited_tags:
-        others = [b for b in _BULLET_REF.findall(block(prompt, "playbook") or "") if b not in used]
-        if others:
-            used = [*used, others[int(unit(seed, "which", here) * len(others))]]
+    if used and unit(seed, "uncited", here) < realism.uncited_tags:
+        # Shown only the cited bullets, a real reflector still tags ids it never saw: the next
+        # id of a cited one's section, say (an invented, plausible id).
+        cited = used[int(unit(seed, "which", here) * len(used))]
+        prefix, _, number = cited.rpartition("-")
+        invented_id = f"{prefix}-{int(number) + 1:0{len(number)}d}" if number.isdigit() else "x-1"
+        if invented_id not in used:
+            used = [*used, invented_id]
     tag: Literal["helpful", "harmful"] = "helpful" if passed else "harmful"
-    outcome = "succeeded" if passed else "did not succeed"
     return ReflectorOutput(
-        reasoning=f"Simulated reflector: the trace {outcome}; {len(lessons)} lesson marker(s).",
         error_identification="none" if passed else "the agent's answer was judged incorrect",
         root_cause_analysis="see the feedback of the trace",
         correct_approach="apply the lessons below" if lessons else "no lesson recorded",
@@ -170,7 +172,6 @@ def curate(
     keep = overload_keep(len(new), capacity)
     chosen = {lesson.id for lesson in sorted(new, key=lambda x: _lesson_rank(seed, x.id))[:keep]}
     kept: list[Lesson] = [lesson for lesson in new if lesson.id in chosen]
-    limit = "unlimited" if capacity is None else str(capacity)
     adds: list[Operation] = [
         AddOp(
             section=CURATOR_SECTION,
@@ -190,12 +191,7 @@ def curate(
         if not find_lessons(match.group(1))
     )
     adds += [AddOp(section=CURATOR_SECTION, content=text) for text in plain if text]
-    return CuratorOutput(
-        reasoning=(
-            f"Simulated curator: {len(new)} new lesson(s), kept {len(kept)} (capacity {limit})."
-        ),
-        operations=adds,
-    )
+    return CuratorOutput(operations=adds)
 
 
 def combine(prompt: str) -> CuratorOutput:
@@ -210,10 +206,7 @@ def combine(prompt: str) -> CuratorOutput:
             ops.setdefault(_operation_decoder.decode(stripped))
         except msgspec.DecodeError:  # ValidationError is a subclass
             continue
-    return CuratorOutput(
-        reasoning=f"Simulated combiner: union of {len(ops)} distinct operation(s).",
-        operations=list(ops),
-    )
+    return CuratorOutput(operations=list(ops))
 
 
 def answer(system: str, prompt: str, *, seed: int) -> AgentOutput:
@@ -275,10 +268,7 @@ def consolidate(prompt: str) -> ConsolidatorOutput:
         for base, group in groups.items()
         if len(group) > 1
     ]
-    return ConsolidatorOutput(
-        reasoning=f"Simulated consolidator: {len(merges)} lesson(s) worded more than once.",
-        merges=merges,
-    )
+    return ConsolidatorOutput(merges=merges)
 
 
 def judge(prompt: str) -> JudgeOutput:
