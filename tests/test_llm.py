@@ -28,7 +28,9 @@ from combee_stream.core.llm import (
     bound_schema,
     decode_reply,
     extract_json,
+    max_tokens_for,
     output_schema,
+    schema_token_bound,
 )
 from combee_stream.core.memo import CompletionMemo, MemoEntry
 from combee_stream.core.outputs import CuratorOutput, ReflectorOutput
@@ -662,3 +664,123 @@ async def test_the_start_check_refuses_a_base_url_at_the_wrong_path(clean_sim: S
     assert "check llm.reflector.base_url" in message and "\n" not in message
     async with LLMClient(llm_config(clean_sim.base_url), env={}, retry=FAST) as llm:
         await llm.check("reflector", "embeddings")  # the right path passes
+
+
+# --------------------------------------------------------------------------- length and cache
+
+
+async def test_a_cut_reply_is_reasked_once_with_twice_the_cap(clean_sim: SimServer) -> None:
+    async with LLMClient(llm_config(clean_sim.base_url), env={}, retry=FAST) as llm:
+        full = await llm.complete("curator", curator_messages(7), CuratorOutput)
+    # A cap the simulator's reply overflows, and that twice over it does not.
+    cap = full.tokens_out * 2 // 3
+    recorder = Recorder()
+    role = RoleConfig(base_url=clean_sim.base_url, model="sim-llm", max_tokens=cap)
+    async with (
+        recorder.client,
+        LLMClient(
+            llm_config(clean_sim.base_url, curator=role),
+            http_client=recorder.client,
+            env={},
+            retry=FAST,
+        ) as llm,
+    ):
+        result = await llm.complete("curator", curator_messages(7), CuratorOutput)
+        usage = llm.usage()["curator"]
+
+    assert result.value == full.value
+    assert [body["max_tokens"] for body in recorder.bodies] == [cap, 2 * cap]
+    assert (usage.truncated_replies, usage.invalid_replies) == (1, 0)
+
+
+async def test_a_reply_cut_twice_fails_the_call_and_no_request_is_sent_twice(
+    clean_sim: SimServer,
+) -> None:
+    recorder = Recorder()
+    role = RoleConfig(base_url=clean_sim.base_url, model="sim-llm", max_tokens=5)
+    async with (
+        recorder.client,
+        LLMClient(
+            llm_config(clean_sim.base_url, curator=role),
+            http_client=recorder.client,
+            env={},
+            retry=FAST,
+        ) as llm,
+    ):
+        with pytest.raises(LLMCallError) as caught:
+            await llm.complete("curator", curator_messages(8), CuratorOutput)
+        # The window is retried later: the same call goes out warmer, with another seed.
+        with pytest.raises(LLMCallError):
+            await llm.complete("curator", curator_messages(8), CuratorOutput)
+
+    assert "reply cut at max_tokens=10" in caught.value.reason
+    sent = [json.dumps(body, sort_keys=True) for body in recorder.bodies]
+    assert len(sent) == 4 and len(set(sent)) == 4
+    first, again = recorder.bodies[0], recorder.bodies[2]
+    assert "seed" not in first and again["seed"] == 1
+    assert again["temperature"] > first["temperature"]
+
+
+def test_max_tokens_is_derived_from_the_bounded_schema() -> None:
+    schema = bound_schema(output_schema(CuratorOutput), 300, 6)
+    derived = max_tokens_for(RoleConfig(), schema)
+    # Six operations of 300 characters at one token a character (a digit is a token).
+    assert 6 * 300 < derived < 2 * 6 * 300
+    assert max_tokens_for(RoleConfig(max_tokens=77), schema) == 77
+    assert schema_token_bound(output_schema(CuratorOutput)) is None  # unbounded strings
+
+
+async def test_cached_prompt_tokens_are_counted_from_the_simulator(clean_sim: SimServer) -> None:
+    async with LLMClient(llm_config(clean_sim.base_url), env={}, retry=FAST) as llm:
+        first = await llm.complete("curator", curator_messages(9), CuratorOutput)
+        second = await llm.complete("curator", curator_messages(10), CuratorOutput)
+        usage = llm.usage()["curator"]
+
+    # The two prompts share their system message and the head of the user message.
+    assert first.tokens_cached == 0 < second.tokens_cached < second.tokens_in
+    assert usage.tokens_cached == second.tokens_cached
+
+
+def _chat_reply(usage_extra: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    content = json.dumps({"operations": []})
+    return {
+        "id": "x",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": content},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 100, "completion_tokens": 5, "total_tokens": 105} | usage_extra,
+        **extra,
+    }
+
+
+@pytest.mark.parametrize(
+    ("usage_extra", "extra", "cached"),
+    [
+        ({"prompt_tokens_details": {"cached_tokens": 64}}, {}, 64),  # OpenAI
+        ({}, {"timings": {"cache_n": 80, "prompt_n": 20}}, 80),  # llama-server
+        ({}, {}, 0),  # a server that says nothing
+    ],
+)
+async def test_cache_counters_are_read_from_openai_and_llama_server_replies(
+    usage_extra: dict[str, Any], extra: dict[str, Any], cached: int
+) -> None:
+    # A canned HTTP reply: what is tested is the parse of two wire formats.
+    def reply(request: httpx2.Request) -> httpx2.Response:
+        return httpx2.Response(200, json=_chat_reply(usage_extra, extra))
+
+    client = httpx2.AsyncClient(transport=httpx2.MockTransport(reply))
+    async with (
+        client,
+        LLMClient(
+            llm_config("http://llm.invalid/v1"), http_client=client, env={}, retry=FAST
+        ) as llm,
+    ):
+        result = await llm.complete("curator", curator_messages(11), CuratorOutput)
+    assert result.tokens_cached == cached

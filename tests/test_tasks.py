@@ -12,7 +12,7 @@ from combee_stream.agent.calculator import CalculatorError, evaluate
 from combee_stream.errors import UserError
 from combee_stream.evaluation.stats import mcnemar_exact, paired, wilson
 from combee_stream.tasks import generate_tasks, is_correct, load_tasks, parse_number
-from combee_stream.tasks.base import Task, finer_items, formula, numeric
+from combee_stream.tasks.base import Task, finer_items, formula, miss_kind, numeric, task_feedback
 
 DATASETS = Path(__file__).resolve().parents[2] / "shared" / "datasets"
 MONEY = r"\$([\d,]+(?:\.\d+)?)"
@@ -112,6 +112,34 @@ def test_ace_formula_and_finer_scoring_rules() -> None:
     assert finer_items("a,b,c,d", "a,b") == (2, 2)  # truncated
     finer_task = Task(id="f", question="q", answer="a,b", scorer="finer")
     assert is_correct(finer_task, "a,b") and not is_correct(finer_task, "a,c")
+
+
+@pytest.mark.parametrize(
+    ("question", "answer", "got", "kind"),
+    [
+        # The misses of a real 1.5B agent's training traces (issue 17), one per kind.
+        ("Round to 2 decimal places.", "0.49", "0.4923076923", "not rounded to 2 decimal"),
+        ("What is the ratio?", "26.67", "26.66666667", "not rounded to 2 decimal"),
+        ("What is the CAPM return?", "0.06", "5.5", "factor of 100"),  # 5.5 % rounds to 6 %
+        ("What is the WACC? 2 decimal places.", "0.05", "4.9625", "factor of 100"),
+        ("What is the income?", "55000.0", "55", "factor of 1,000"),
+        ("What is the amount?", "80000000.0", "80", "factor of 1,000,000"),
+        ("What is the change?", "-12.5", "12.5", "sign is wrong"),
+        ("What is the NPV?", "1348.85", "error: unknown name 'A'", "states no number"),
+        ("What is the NPV?", "1348.85", "1338.23", None),  # a wrong formula: no rule to name
+    ],
+)
+def test_feedback_names_the_kind_of_miss(
+    question: str, answer: str, got: str, kind: str | None
+) -> None:
+    task = Task(id="t", question=question, answer=answer, scorer="formula")
+    feedback = task_feedback(task, got)
+    assert not feedback.passed
+    named = miss_kind(task, got)
+    if kind is None:
+        assert named is None
+    else:
+        assert named is not None and kind in named and kind in feedback.text
 
 
 @pytest.mark.skipif(not DATASETS.is_dir(), reason="the shared datasets are not here")

@@ -16,6 +16,18 @@ from combee_stream.agent.calculator import CalculatorError, evaluate
 from combee_stream.core.fencing import fence
 from combee_stream.core.llm import ChatMessage, LLMClient
 
+# Every arm sends this same system message, the playbook empty or not: with no system message
+# a chat template adds its own default one (Qwen's does), and the base arm would then differ
+# from the learned arms in more than the playbook.
+SYSTEM: Final = """\
+You answer questions exactly, with a calculator. Your playbook holds lessons learned from \
+earlier tasks of this kind.
+
+<playbook>
+{playbook}
+</playbook>"""
+EMPTY_PLAYBOOK: Final = "(empty: no lessons learned yet)"
+
 INSTRUCTIONS: Final = """\
 Answer the question below. Use the playbook in your instructions where it applies: it holds \
 lessons learned from earlier tasks of this kind.
@@ -72,12 +84,12 @@ class Answerer:
         self._llm = llm
 
     def messages(self, system_prompt: str, question: str) -> list[ChatMessage]:
-        messages: list[ChatMessage] = []
-        if system_prompt.strip():
-            messages.append({"role": "system", "content": system_prompt})
+        playbook = system_prompt.strip() or EMPTY_PLAYBOOK
         # The question is untrusted text too: it cannot end its block.
-        messages.append({"role": "user", "content": INSTRUCTIONS.format(question=fence(question))})
-        return messages
+        return [
+            {"role": "system", "content": SYSTEM.format(playbook=playbook)},
+            {"role": "user", "content": INSTRUCTIONS.format(question=fence(question))},
+        ]
 
     async def answer(self, system_prompt: str, question: str) -> Answer:
         completion = await self._llm.complete(
@@ -105,4 +117,12 @@ class Answerer:
         )
 
 
-__all__ = ["INSTRUCTIONS", "AgentOutput", "Answer", "Answerer", "bullet_ids_of"]
+__all__ = [
+    "EMPTY_PLAYBOOK",
+    "INSTRUCTIONS",
+    "SYSTEM",
+    "AgentOutput",
+    "Answer",
+    "Answerer",
+    "bullet_ids_of",
+]

@@ -30,7 +30,7 @@ from combee_stream.bench import (
 )
 from combee_stream.bench.report import describe_latency
 from combee_stream.bench.vclock import VirtualClockLoop
-from combee_stream.config import Config
+from combee_stream.config import Config, LLMConfig
 from combee_stream.errors import UserError
 from combee_stream.logs import configure_logging
 
@@ -79,11 +79,26 @@ def register(subparsers: Any) -> None:
         "--local", default=None, metavar="MODEL", help="start this local model (llm serve) first"
     )
     q.add_argument("--train", default="generated:1", help="training task source")
-    q.add_argument("--train-n", type=int, default=60)
+    q.add_argument("--train-n", type=int, default=80)
     q.add_argument("--held-out", default="generated:2", help="held-out task source")
-    q.add_argument("--held-out-n", type=int, default=120)
-    q.add_argument("--batch-size", type=int, default=12, help="for naive and combee")
-    q.add_argument("--strategies", default="sequential,naive,combee")
+    q.add_argument("--held-out-n", type=int, default=100)
+    q.add_argument(
+        "--batch-size",
+        type=int,
+        default=0,
+        help="for naive and combee; default: a quarter of the training stream (4 windows)",
+    )
+    q.add_argument("--strategies", default=",".join(quality.DEFAULT_STRATEGIES))
+    q.add_argument(
+        "--sequential-n",
+        type=int,
+        default=0,
+        metavar="N",
+        help="sequential (one LLM round per trace) learns from the first N traces only",
+    )
+    q.add_argument(
+        "--no-gate", action="store_true", help="learn without the replay gate (default: on)"
+    )
     q.add_argument("--work", type=Path, default=None, help="traces and playbooks (resumable)")
     broker = parser.add_argument_group("local Kafka broker (saturation, overhead, latency)")
     broker.add_argument("--broker-port", type=int, default=None, help="default: broker.port")
@@ -170,24 +185,53 @@ async def _quality(config: Config, args: argparse.Namespace, quick: bool) -> qua
     unknown = set(strategies) - set(quality.STRATEGIES)
     if unknown:
         raise UserError(f"--strategies: unknown {sorted(unknown)}")
+    train_n = 8 if quick else args.train_n
+    batch = 2 if quick else args.batch_size or max(1, train_n // 4)
     settings = quality.QualitySettings(
         model=args.local or config.llm.agent.model,
         train=args.train,
-        train_n=6 if quick else args.train_n,
+        train_n=train_n,
         held_out=args.held_out,
         held_out_n=6 if quick else args.held_out_n,
         strategies=strategies,
-        batch_size=3 if quick else args.batch_size,
+        batch_size=batch,
         concurrency=config.llm.concurrency,
+        sequential_n=args.sequential_n,
+        gate=not args.no_gate,
     )
+    if settings.gate:
+        # The replay gate as the engine runs it, its held-out tasks drawn from the training
+        # stream. A quarter of 80 traces is about 20 tasks; min_samples is lowered to what a
+        # one-hour run can hold out (fewer samples only make the gate stricter to pass).
+        gated = msgspec.structs.replace(
+            config.gate, replay=True, holdout_fraction=0.25, min_samples=10
+        )
+        config = msgspec.structs.replace(config, gate=gated)
     work = args.work or (args.out / "quality-work" if args.out else Path(".state/bench-quality"))
     if args.local is None:
-        return await quality.run_quality(config, settings, work)
+        return await quality.run_quality(config, _named(settings, config.llm), work)
     cfg = msgspec.structs.replace(config.local_llm, model=args.local, port=_free_port())
     async with local_model(cfg) as server:
-        llm = local_llm_config(server, config.llm)
+        local = local_llm_config(server, config.llm)
+        # A role the config points at an endpoint of its own keeps it (a stronger reflector
+        # and curator for a small agent, as teams run it); the others use the local model.
+        kept = {
+            role: getattr(config.llm, role)
+            for role in quality.ROLES
+            if getattr(config.llm, role).base_url
+        }
+        llm = msgspec.structs.replace(local, **kept)
         settings = msgspec.structs.replace(settings, concurrency=server.parallel)
-        return await quality.run_quality(msgspec.structs.replace(config, llm=llm), settings, work)
+        config = msgspec.structs.replace(config, llm=llm)
+        return await quality.run_quality(config, _named(settings, llm), work)
+
+
+def _named(settings: quality.QualitySettings, llm: LLMConfig) -> quality.QualitySettings:
+    endpoints = {
+        role: f"{getattr(llm, role).model} at {getattr(llm, role).base_url}"
+        for role in quality.ROLES
+    }
+    return msgspec.structs.replace(settings, endpoints=endpoints)
 
 
 def _free_port() -> int:

@@ -3,13 +3,23 @@
 1. The endpoint's capacity: output tokens per second for one request and for N at once.
 2. A training stream: the example agent answers the training tasks with the base prompt; each
    run becomes a trace with the environment's feedback (saved as ``train_traces.jsonl``).
-3. Each strategy (``sequential``, ``naive``, ``combee``) learns a playbook from those traces with
-   offline ``learn`` (the engine's key pipeline), at the same batch size.
+3. Each strategy (``naive`` and ``combee`` by default; ``sequential`` on a prefix of the stream
+   with ``--sequential-n``, it is one LLM round per trace) learns a playbook from those traces
+   with offline ``learn`` (the engine's key pipeline), at the same batch size, with the replay
+   gate on (its held-out tasks drawn from the stream, as the engine draws them).
 4. The agent answers the held-out tasks (disjoint from the training ones) with the base prompt
    and with each playbook; accuracy with its 95% Wilson interval, and paired against the base
    prompt (tasks gained and lost, Newcombe's interval of the difference, exact McNemar p).
-5. Per playbook: bullets, near-duplicate bullets (``core.hygiene``'s measure), the learner's LLM
-   calls and tokens, its wall time and the share of the endpoint's capacity it used.
+5. Per playbook: bullets, near-duplicate bullets (by wordllama embeddings, a measure the
+   learner's filter does not use, so the figure can fail), the learner's LLM calls and tokens,
+   the share of its prompt tokens the server served from cache, replies cut at max_tokens,
+   windows parked and refused by the gate, its wall time and the share of the endpoint's
+   capacity it used.
+
+Every finished item is written at once and reused by a rerun (a long run on 2 cores is
+interrupted): each training trace (``train_traces.jsonl``), each evaluated answer
+(``eval-LABEL-DIGEST.jsonl``), each learner LLM reply (the memo of each strategy's folder).
+Each phase shows its progress on stderr (a bar on a terminal, lines in a log).
 
 Nothing here is simulated, and nothing is tuned on the held-out tasks: they are drawn after the
 settings are fixed and only ever evaluated. The model and every setting go into the report.
@@ -17,10 +27,12 @@ settings are fixed and only ever evaluated. The model and every setting go into 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx2
@@ -30,12 +42,12 @@ from msgspec import Struct
 from combee_stream.agent.answerer import Answerer
 from combee_stream.agent.prompts import Prompt
 from combee_stream.agent.recorder import RunRecorder
+from combee_stream.bench.progress import PhaseProgress
 from combee_stream.bench.report import Target, document, table
 from combee_stream.config import Config
-from combee_stream.core.hygiene import content_words, near_duplicates
 from combee_stream.core.llm import LLMCallError, LLMClient
 from combee_stream.core.playbook import render
-from combee_stream.evaluation.run import EvalResult, compare, evaluate
+from combee_stream.evaluation.run import EvalResult, TaskOutcome, compare, evaluate
 from combee_stream.evaluation.stats import Paired
 from combee_stream.offline import LearnReport, run_learn
 from combee_stream.offline.store import OutputDir
@@ -43,6 +55,14 @@ from combee_stream.schemas import Playbook, PromptUpdate, Trace, decode, encode
 from combee_stream.tasks import KEY, Task, load_tasks, task_feedback
 
 STRATEGIES = ("sequential", "naive", "combee")
+DEFAULT_STRATEGIES = ("naive", "combee")
+ROLES = ("agent", "reflector", "curator", "combiner")
+# wordllama cosine at which two bullets count as one rule stated twice. Its paraphrases score
+# lower than MiniLM's (mean 0.52 on the notes' toy pairs); "DSCR is net operating income
+# divided by total debt service" and "The debt service coverage ratio equals NOI over annual
+# debt service payments" score 0.50, two different Formula rules (round in the expression;
+# percentages as fractions) 0.22.
+NEAR_DUPLICATE_COSINE = 0.5
 
 
 class QualitySettings(Struct, kw_only=True):
@@ -55,6 +75,9 @@ class QualitySettings(Struct, kw_only=True):
     batch_size: int
     concurrency: int  # requests in flight (the endpoint's slots)
     key: str = KEY
+    sequential_n: int = 0  # sequential learns from this prefix of the stream (0: all of it)
+    gate: bool = True  # the replay gate reviews every candidate
+    endpoints: dict[str, str] = {}  # role -> "model at base_url"
 
 
 class Capacity(Struct, kw_only=True):
@@ -77,9 +100,18 @@ class PromptRow(Struct, kw_only=True):
     near_duplicates: int = 0  # bullets with a near-duplicate elsewhere in the playbook
     near_duplicate_share: float = 0.0
     skipped: dict[str, int] = {}  # proposals the learner refused, by reason
+    learn_traces: int = 0
     learn_calls: int = 0
     learn_tokens_in: int = 0
     learn_tokens_out: int = 0
+    learn_tokens_cached: int = 0  # prompt tokens the server served from its cache
+    cache_share: float = 0.0
+    truncated_replies: int = 0  # learner replies cut at max_tokens
+    invalid_replies: int = 0
+    parked_traces: int = 0  # traces of windows that failed for good
+    gate_refused: int = 0  # windows the token budget or the gate refused
+    published_worse: int = 0  # versions published that answered fewer held-out tasks
+    removes_applied: int = 0
     learn_wall_s: float = 0.0
     capacity_share: float = 0.0  # learner output tokens / (wall x parallel capacity)
     eval_wall_s: float = 0.0
@@ -132,39 +164,49 @@ async def measure_capacity(base_url: str, model: str, parallel: int) -> Capacity
 async def training_traces(
     config: Config, tasks: list[Task], path: Path, key: str, concurrency: int
 ) -> tuple[float, float]:
-    """The base agent on the training tasks, as traces in ``path`` (kept across runs: the same
-    tasks reuse them). Returns (accuracy, wall seconds)."""
-    saved = _read_traces(path)
-    if [t.trace_id for t in saved] == [t.id for t in tasks]:
-        return sum(bool(t.feedback.passed) for t in saved) / len(saved), 0.0
+    """The base agent on the training tasks, as traces in ``path``, each appended as it is
+    answered (a rerun asks only the tasks it lacks); the file is rewritten in task order at the
+    end, the order the stream is learned in. Returns (accuracy, wall seconds)."""
+    saved = {t.trace_id: t for t in _read_traces(path)}
+    todo = [t for t in tasks if t.id not in saved]
     started = anyio.current_time()
     base = Prompt(key=key, text="", version=0, bullet_ids=[], source="fallback")
-    done: dict[str, Trace] = {}
     limiter = anyio.CapacityLimiter(concurrency)
-    async with LLMClient(config.llm) as llm:
-        answerer = Answerer(llm)
+    if todo:
+        with (
+            path.open("ab") as sink,
+            PhaseProgress("train (base agent)", len(tasks), done=len(tasks) - len(todo)) as bar,
+        ):
+            async with LLMClient(config.llm) as llm:
+                answerer = Answerer(llm)
 
-        async def one(task: Task) -> None:
-            async with limiter:
-                try:
-                    answer = await answerer.answer(base.text, task.question)
-                except LLMCallError:
-                    return  # no answer, no trace: nothing to learn from
-            run = RunRecorder(
-                base, task.question, trace_id=task.id, metadata={"family": task.family}
-            )
-            run.record(answer)
-            done[task.id] = run.trace(
-                output=answer.output, feedback=task_feedback(task, answer.output)
-            )
+                async def one(task: Task) -> None:
+                    async with limiter:
+                        try:
+                            answer = await answerer.answer(base.text, task.question)
+                        except LLMCallError:
+                            bar.advance()
+                            return  # no answer, no trace: nothing to learn from
+                    run = RunRecorder(
+                        base, task.question, trace_id=task.id, metadata={"family": task.family}
+                    )
+                    run.record(answer)
+                    trace = run.trace(
+                        output=answer.output, feedback=task_feedback(task, answer.output)
+                    )
+                    saved[task.id] = trace
+                    sink.write(encode(trace) + b"\n")
+                    sink.flush()
+                    bar.advance(tokens_out=answer.tokens_out)
 
-        async with anyio.create_task_group() as tg:
-            for task in tasks:
-                tg.start_soon(one, task)
-    traces = [done[t.id] for t in tasks if t.id in done]
-    _write_traces(path, traces)
+                async with anyio.create_task_group() as tg:
+                    for task in todo:
+                        tg.start_soon(one, task)
+    traces = [saved[t.id] for t in tasks if t.id in saved]
+    if [t.trace_id for t in _read_traces(path)] != [t.trace_id for t in traces]:
+        _write_traces(path, traces)
     accuracy = sum(bool(t.feedback.passed) for t in traces) / max(1, len(traces))
-    return accuracy, anyio.current_time() - started
+    return accuracy, anyio.current_time() - started if todo else 0.0
 
 
 def _read_traces(path: Path) -> list[Trace]:
@@ -177,13 +219,25 @@ def _write_traces(path: Path, traces: list[Trace]) -> None:
     path.write_bytes(b"".join(encode(t) + b"\n" for t in traces))
 
 
-def near_duplicate_bullets(playbook: Playbook) -> int:
-    """Bullets that have a near duplicate (core.hygiene's measure) elsewhere in the playbook."""
-    bullets = [b for s in playbook.sections for b in s.bullets]
-    bags = [frozenset(content_words(b.content)) for b in bullets]
+@functools.cache
+def _wordllama() -> Any:
+    import wordllama  # the bench extra; loaded once, from the weights inside the wheel
+
+    folder = Path(wordllama.__file__).parent
+    return wordllama.WordLlama.load(cache_dir=folder, disable_download=True)
+
+
+def near_duplicate_bullets(playbook: Playbook, threshold: float = NEAR_DUPLICATE_COSINE) -> int:
+    """Bullets with a near duplicate elsewhere in the playbook: wordllama cosine at least
+    ``threshold``. Not the learner's own measure (content words, and embeddings from the LLM
+    endpoint when configured), so a filter that misses paraphrases shows here."""
+    texts = [b.content for s in playbook.sections for b in s.bullets]
+    if len(texts) < 2:
+        return 0
+    model = _wordllama()
     flagged: set[int] = set()
-    for i, j in itertools.combinations(range(len(bags)), 2):
-        if near_duplicates(bags[i], bags[j]):
+    for i, j in itertools.combinations(range(len(texts)), 2):
+        if float(model.similarity(texts[i], texts[j])) >= threshold:
             flagged |= {i, j}
     return len(flagged)
 
@@ -224,11 +278,16 @@ async def run_quality(config: Config, settings: QualitySettings, out: Path) -> Q
     results: dict[str, EvalResult] = {"base": base}
     for strategy in s.strategies:
         folder = out / strategy
+        stream = traces_path
+        if strategy == "sequential" and s.sequential_n:
+            stream = out / f"train_traces_first{s.sequential_n}.jsonl"
+            _write_traces(stream, _read_traces(traces_path)[: s.sequential_n])
         report = _finished(folder)
         if report is None:  # learn it (an interrupted earlier run is resumed)
+            print(f"learn ({strategy}): {folder}", flush=True)
             report = await run_learn(
                 config,
-                traces_path,
+                stream,
                 folder,
                 strategy=strategy,
                 batch_size=str(s.batch_size),
@@ -239,26 +298,10 @@ async def run_quality(config: Config, settings: QualitySettings, out: Path) -> Q
         playbook = (
             history.newest[s.key].playbook if s.key in history.newest else Playbook(key=s.key)
         )
-        skipped: dict[str, int] = {}
-        for update in _updates(folder):
-            for reason, count in update.stats.skipped.items():
-                skipped[reason] = skipped.get(reason, 0) + count
         result = await _evaluated(config, render(playbook), held_out, strategy, out, s.concurrency)
         results[strategy] = result
         row = _row(strategy, result, base)
-        row.bullets = sum(len(sec.bullets) for sec in playbook.sections)
-        row.near_duplicates = near_duplicate_bullets(playbook)
-        row.near_duplicate_share = row.near_duplicates / row.bullets if row.bullets else 0.0
-        row.skipped = dict(sorted(skipped.items()))
-        row.learn_calls = report.llm_calls
-        row.learn_tokens_in = report.tokens_in
-        row.learn_tokens_out = report.tokens_out
-        row.learn_wall_s = report.wall_s
-        row.capacity_share = (
-            report.tokens_out / (report.wall_s * capacity.parallel_tokens_per_s)
-            if report.wall_s and capacity.parallel_tokens_per_s
-            else 0.0
-        )
+        _learned(row, playbook, report, _updates(folder), capacity)
         rows.append(row)
     combee_vs_naive = (
         compare(results["naive"], results["combee"])
@@ -277,20 +320,96 @@ async def run_quality(config: Config, settings: QualitySettings, out: Path) -> Q
     )
 
 
+def _learned(
+    row: PromptRow,
+    playbook: Playbook,
+    report: LearnReport,
+    updates: list[PromptUpdate],
+    capacity: Capacity,
+) -> None:
+    """What learning the row's playbook cost and did, from its report and its versions."""
+    skipped: dict[str, int] = {}
+    before: set[str] = set()
+    for update in updates:
+        for reason, count in update.stats.skipped.items():
+            skipped[reason] = skipped.get(reason, 0) + count
+        gate = update.stats.gate
+        if gate is not None and gate.accepted and gate.candidate < gate.current:
+            row.published_worse += 1
+        now = {b.id for sec in update.playbook.sections for b in sec.bullets}
+        row.removes_applied += len(before - now)  # removed, or merged by consolidation
+        before = now
+    usage = report.per_role.values()
+    row.bullets = sum(len(sec.bullets) for sec in playbook.sections)
+    row.near_duplicates = near_duplicate_bullets(playbook)
+    row.near_duplicate_share = row.near_duplicates / row.bullets if row.bullets else 0.0
+    row.skipped = dict(sorted(skipped.items()))
+    row.learn_traces = report.traces
+    row.learn_calls = report.llm_calls
+    row.learn_tokens_in = report.tokens_in
+    row.learn_tokens_out = report.tokens_out
+    row.learn_tokens_cached = sum(u.tokens_cached for u in usage)
+    row.cache_share = row.learn_tokens_cached / report.tokens_in if report.tokens_in else 0.0
+    row.truncated_replies = sum(u.truncated_replies for u in usage)
+    row.invalid_replies = sum(u.invalid_replies for u in usage)
+    row.parked_traces = report.failed_traces
+    row.gate_refused = report.rejected_windows
+    row.learn_wall_s = report.wall_s
+    row.capacity_share = (
+        report.tokens_out / (report.wall_s * capacity.parallel_tokens_per_s)
+        if report.wall_s and capacity.parallel_tokens_per_s
+        else 0.0
+    )
+
+
 async def _evaluated(
     config: Config, prompt: str, tasks: list[Task], label: str, out: Path, concurrency: int
 ) -> EvalResult:
-    """One prompt on the held-out tasks, saved in ``out`` as soon as it is done: the suite is
-    long on 2 cores, and a rerun reuses every evaluation of the same model, prompt and tasks."""
+    """One prompt on the held-out tasks, each answer appended to ``out`` as it is scored: the
+    suite is long on 2 cores, and a rerun reuses every answer of the same model, prompt and
+    tasks."""
     identity = "\n".join([config.llm.agent.model, prompt, *(t.id for t in tasks)])
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    path = anyio.Path(out / f"eval-{label}-{digest}.json")
-    if await path.is_file():
-        return msgspec.json.decode(await path.read_bytes(), type=EvalResult)
-    async with LLMClient(config.llm) as llm:
-        result = await evaluate(Answerer(llm), prompt, tasks, label=label, concurrency=concurrency)
-    await path.write_bytes(msgspec.json.encode(result))
-    return result
+    path = out / f"eval-{label}-{digest}.jsonl"
+    done = _read_outcomes(path)
+    if len(done) >= len(tasks):
+        answered = {o.task_id for o in done}
+        if all(t.id in answered for t in tasks):
+            async with LLMClient(config.llm) as llm:  # no call: every task is answered
+                return await evaluate(Answerer(llm), prompt, tasks, label=label, done=done)
+    with (
+        path.open("ab") as sink,
+        PhaseProgress(f"evaluate ({label})", len(tasks), done=len(done)) as bar,
+    ):
+
+        def keep(outcome: TaskOutcome, tokens_out: int) -> None:
+            sink.write(msgspec.json.encode(outcome) + b"\n")
+            sink.flush()
+            bar.advance(tokens_out=tokens_out)
+
+        async with LLMClient(config.llm) as llm:
+            return await evaluate(
+                Answerer(llm),
+                prompt,
+                tasks,
+                label=label,
+                concurrency=concurrency,
+                done=done,
+                on_outcome=keep,
+            )
+
+
+def _read_outcomes(path: Path) -> list[TaskOutcome]:
+    """The answers saved so far; a line torn by a kill is dropped (its task is asked again)."""
+    if not path.is_file():
+        return []
+    outcomes: list[TaskOutcome] = []
+    for line in path.read_bytes().splitlines():
+        try:
+            outcomes.append(msgspec.json.decode(line, type=TaskOutcome))
+        except msgspec.DecodeError:
+            continue
+    return outcomes
 
 
 def _finished(folder: Path) -> LearnReport | None:
@@ -312,6 +431,9 @@ def _targets(rows: list[PromptRow], combee_vs_naive: Paired | None) -> list[Targ
     combee = next((r for r in rows if r.prompt == "combee"), None)
     if combee is None or combee.vs_base is None:
         return []
+    learned = [r for r in rows if r.prompt != "base"]
+    tokens_in = sum(r.learn_tokens_in for r in learned)
+    cached = sum(r.learn_tokens_cached for r in learned)
     targets = [
         Target(
             name="combee beats the base prompt on held-out tasks",
@@ -321,11 +443,32 @@ def _targets(rows: list[PromptRow], combee_vs_naive: Paired | None) -> list[Targ
             met=combee.vs_base.ci95[0] > 0,
         ),
         Target(
-            name="near-duplicate bullets in the combee playbook",
+            name="near-duplicate bullets in the combee playbook (wordllama cosine "
+            f">= {NEAR_DUPLICATE_COSINE})",
             target="< 10%",
             measured=f"{combee.near_duplicate_share:.0%} "
             f"({combee.near_duplicates} of {combee.bullets})",
             met=combee.near_duplicate_share < 0.10,
+        ),
+        Target(
+            name="no published version answers fewer gate tasks than its parent",
+            target="0",
+            measured=", ".join(f"{r.prompt} {r.published_worse}" for r in learned),
+            met=all(r.published_worse == 0 for r in learned),
+        ),
+        Target(
+            name="no window parked (cut-off or invalid replies)",
+            target="0 traces",
+            measured=", ".join(
+                f"{r.prompt} {r.parked_traces} ({r.truncated_replies} cut replies)" for r in learned
+            ),
+            met=all(r.parked_traces == 0 for r in learned),
+        ),
+        Target(
+            name="learner prompt tokens served from the server's cache",
+            target=">= 50%",
+            measured=f"{cached / tokens_in:.0%}" if tokens_in else "n/a",
+            met=bool(tokens_in) and cached / tokens_in >= 0.5,
         ),
     ]
     if combee_vs_naive is not None:
@@ -342,18 +485,30 @@ def _targets(rows: list[PromptRow], combee_vs_naive: Paired | None) -> list[Targ
 
 
 def _notes(s: QualitySettings, capacity: Capacity) -> list[str]:
+    sequential = (
+        f" sequential learns from the first {s.sequential_n} traces only." if s.sequential_n else ""
+    )
+    endpoints = "; ".join(f"{role}: {where}" for role, where in s.endpoints.items())
     return [
         f"Training stream: {s.train_n} tasks of {s.train!r}, answered once by the example agent "
-        "with the base prompt (no playbook); every run is a trace with the environment's "
-        "feedback (right or wrong, the reference answer, and on a wrong answer the task set's "
-        "worked reference solution).",
+        "with the base prompt (an empty playbook, the same system framing as every arm); every "
+        "run is a trace with the environment's feedback (right or wrong, the reference answer, "
+        "the kind of miss when it is one, and the task set's worked solution).",
         f"Held-out: {s.held_out_n} tasks of {s.held_out!r}, none of them in the training stream; "
         "each prompt answers every one of them once (temperature 0).",
         f"Learning: offline `learn` (the engine's key pipeline, synchronous windows), batch size "
-        f"{s.batch_size} for naive and combee, 1 for sequential; union combine; bullet review on.",
+        f"{s.batch_size} for naive and combee, 1 for sequential;{sequential} union combine; "
+        "bullet review on; "
+        + (
+            "replay gate on (a quarter of the stream held out by hash, at least 10 tasks)."
+            if s.gate
+            else "replay gate off."
+        ),
+        f"Endpoints: {endpoints}." if endpoints else "",
         f"Endpoint capacity: {capacity.single_tokens_per_s:.1f} output tokens/s for one request, "
         f"{capacity.parallel_tokens_per_s:.1f} with {capacity.parallel} at once; capacity share = "
-        "the learner's output tokens / (its wall time x the parallel capacity).",
+        "the learner's output tokens / (its wall time x the parallel capacity); cache share = "
+        "prompt tokens the server reported served from its prompt cache / prompt tokens sent.",
         "Accuracy intervals are 95% Wilson; paired differences use Newcombe's method 10 and the "
         "exact McNemar test on the tasks one prompt got right and the other wrong.",
     ]
@@ -377,7 +532,11 @@ def markdown(report: QualityReport) -> str:
                 else "–",
                 r.learn_calls,
                 f"{r.learn_tokens_in:,} / {r.learn_tokens_out:,}",
+                f"{r.cache_share:.0%}" if r.prompt != "base" else "–",
+                f"{r.truncated_replies} / {r.parked_traces}" if r.prompt != "base" else "–",
+                f"{r.gate_refused}" if r.prompt != "base" else "–",
                 f"{r.learn_wall_s / 60:.1f}",
+                f"{r.eval_wall_s / 60:.1f}",
                 f"{r.capacity_share:.0%}" if r.prompt != "base" else "–",
             ]
         )
@@ -393,7 +552,11 @@ def markdown(report: QualityReport) -> str:
             "near-duplicates",
             "learn LLM calls",
             "learn tokens in / out",
+            "cached in",
+            "cut replies / parked traces",
+            "windows refused",
             "learn min",
+            "eval min",
             "capacity used",
         ],
         rows,
@@ -416,19 +579,33 @@ def markdown(report: QualityReport) -> str:
     preamble = [
         f"Model: {s.model} (llama.cpp llama-server, {report.capacity.parallel} slots, "
         "2 CPU cores).",
-        f"Base agent on the training stream: {report.train_accuracy:.1%} correct.",
+        f"Base agent on the training stream: {report.train_accuracy:.1%} correct "
+        f"({report.train_wall_s / 60:.1f} min).",
     ]
+    skipped = {r.prompt: r.skipped for r in report.results if r.skipped}
+    if skipped:
+        preamble.append(
+            "Proposals the learner refused, by reason: "
+            + "; ".join(
+                f"{name}: " + ", ".join(f"{k} {v}" for k, v in reasons.items())
+                for name, reasons in skipped.items()
+            )
+            + "."
+        )
     return document(
         "Quality: held-out accuracy of the agent, base prompt vs learned playbooks",
         preamble,
         body + "\n\nCorrect per task family:\n\n" + by_family,
         report.targets,
-        report.notes,
+        [note for note in report.notes if note],
         llm=f"Real model: {s.model}. Nothing in this table is simulated.",
     )
 
 
 __all__ = [
+    "DEFAULT_STRATEGIES",
+    "NEAR_DUPLICATE_COSINE",
+    "ROLES",
     "STRATEGIES",
     "Capacity",
     "PromptRow",

@@ -332,9 +332,13 @@ def bound_schema(schema: Any, max_string_chars: int, max_list_items: int) -> Any
     return out
 
 
-# Worst-case characters per token of a JSON reply: English prose is about 4, digits, symbols
-# and JSON punctuation nearer 1-2; 3 over a whole string errs on the side of room.
-_CHARS_PER_TOKEN: Final = 3
+# Worst-case characters per token of a JSON reply. English prose is about 4, but Qwen's and
+# SmolLM's tokenizers give every digit a token of its own, and a Formula lesson is digits and
+# operators: a 135M model's reflections were cut at a 3-characters-a-token cap. At 1 a reply
+# the grammar allows always fits (only a \uXXXX escape, one character of maxLength, can
+# exceed it; the one re-ask at twice the cap covers that). The cap costs nothing when the
+# model stops early; it only bounds one that rambles.
+_CHARS_PER_TOKEN: Final = 1
 _DEFAULT_MAX_TOKENS: Final = 2048  # an unbounded schema's cap
 
 
@@ -380,6 +384,19 @@ def max_tokens_for(rc: RoleConfig, schema: dict[str, Any]) -> int:
         return rc.max_tokens
     bound = schema_token_bound(schema)
     return bound if bound is not None else _DEFAULT_MAX_TOKENS
+
+
+def _cached_tokens(response: object, usage: object) -> int | None:
+    """Prompt tokens the server served from its cache: OpenAI's (and newer llama-server's)
+    ``usage.prompt_tokens_details.cached_tokens``, else llama-server's own ``timings.cache_n``
+    (an extra field the SDK keeps)."""
+    details = getattr(usage, "prompt_tokens_details", None)
+    cached = getattr(details, "cached_tokens", None)
+    if isinstance(cached, int):
+        return cached
+    timings = (getattr(response, "model_extra", None) or {}).get("timings")
+    cached = timings.get("cache_n") if isinstance(timings, dict) else None
+    return cached if isinstance(cached, int) else None
 
 
 def _refers_to(node: object, ref: str) -> bool:
@@ -880,8 +897,7 @@ class LLMClient:
         tokens_out = getattr(usage, "completion_tokens", None)
         tokens_in = tokens_in if isinstance(tokens_in, int) else estimate
         tokens_out = tokens_out if isinstance(tokens_out, int) else estimate_tokens(reply)
-        details = getattr(usage, "prompt_tokens_details", None)
-        cached = getattr(details, "cached_tokens", None)
+        cached = _cached_tokens(response, usage)
         self._rate.settle(estimate, tokens_in + tokens_out)
         return _Reply(
             text=reply,

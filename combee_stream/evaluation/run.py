@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 from msgspec import Struct
@@ -45,26 +45,38 @@ async def evaluate(
     *,
     label: str,
     concurrency: int = 4,
+    done: Sequence[TaskOutcome] = (),
+    on_outcome: Callable[[TaskOutcome, int], None] | None = None,
 ) -> EvalResult:
-    """Every task answered once with ``system_prompt``, ``concurrency`` at a time."""
+    """Every task answered once with ``system_prompt``, ``concurrency`` at a time. ``done``:
+    outcomes of an earlier, interrupted run of the same prompt (their tasks are not asked
+    again); ``on_outcome(outcome, tokens_out)`` is called as each answer is scored, so a
+    caller can persist it at once."""
     started = anyio.current_time()
-    outcomes: list[TaskOutcome | None] = [None] * len(tasks)
+    earlier = {o.task_id: o for o in done}
+    outcomes: list[TaskOutcome | None] = [earlier.get(t.id) for t in tasks]
     tokens = [0, 0]
     limiter = anyio.CapacityLimiter(concurrency)
+
+    def finish(index: int, outcome: TaskOutcome, tokens_out: int) -> None:
+        outcomes[index] = outcome
+        if on_outcome is not None:
+            on_outcome(outcome, tokens_out)
 
     async def one(index: int, task: Task) -> None:
         async with limiter:
             try:
                 answer = await answerer.answer(system_prompt, task.question)
             except LLMCallError as exc:
-                outcomes[index] = TaskOutcome(
+                failed = TaskOutcome(
                     task_id=task.id, family=task.family, correct=False, output="",
                     expected=task.answer, error=str(exc),
                 )  # fmt: skip
+                finish(index, failed, 0)
                 return
         tokens[0] += answer.tokens_in
         tokens[1] += answer.tokens_out
-        outcomes[index] = TaskOutcome(
+        outcome = TaskOutcome(
             task_id=task.id,
             family=task.family,
             correct=is_correct(task, answer.output),
@@ -73,29 +85,31 @@ async def evaluate(
             bullet_ids=answer.bullet_ids,
             expression=answer.expression,
         )
+        finish(index, outcome, answer.tokens_out)
 
     async with anyio.create_task_group() as tg:
         for index, task in enumerate(tasks):
-            tg.start_soon(one, index, task)
-    done = [o for o in outcomes if o is not None]
+            if outcomes[index] is None:
+                tg.start_soon(one, index, task)
+    answered = [o for o in outcomes if o is not None]
     by_family: dict[str, list[int]] = {}
-    for outcome in done:
+    for outcome in answered:
         tally = by_family.setdefault(outcome.family, [0, 0])
         tally[0] += int(outcome.correct)
         tally[1] += 1
-    correct = sum(o.correct for o in done)
+    correct = sum(o.correct for o in answered)
     return EvalResult(
         label=label,
-        n=len(done),
+        n=len(answered),
         correct=correct,
-        accuracy=correct / len(done) if done else 0.0,
-        ci95=wilson(correct, len(done)),
+        accuracy=correct / len(answered) if answered else 0.0,
+        ci95=wilson(correct, len(answered)),
         by_family=dict(sorted(by_family.items())),
-        outcomes=done,
+        outcomes=answered,
         wall_s=anyio.current_time() - started,
         tokens_in=tokens[0],
         tokens_out=tokens[1],
-        errors=sum(1 for o in done if o.error),
+        errors=sum(1 for o in answered if o.error),
     )
 
 

@@ -56,17 +56,23 @@ def role_config(server: LocalServer, **overrides: object) -> RoleConfig:
 def local_llm_config(server: LocalServer, llm: LLMConfig | None = None) -> LLMConfig:
     """Every role on ``server``, bounded for a small grammar-constrained model: its strings and
     lists get maximum lengths in the schema (unbounded, small models repeat themselves until
-    ``max_tokens`` cuts the JSON) and ``max_tokens`` leaves room to finish; as many requests in
-    flight as it has slots, and timeouts sized for CPU decoding (a few tokens per second per
-    slot)."""
+    the cap cuts the JSON), and ``max_tokens`` is left at 0 so each request's cap is derived
+    from its bounded schema's worst case: a reply the grammar allows always fits. As many
+    requests in flight as it has slots, and timeouts sized for CPU decoding (a few tokens per
+    second per slot)."""
     llm = llm or LLMConfig()
+    # Worst cases at these bounds (schema_token_bound, a token a character): reflector ~1.3k,
+    # curator ~2.4k, combiner ~3.2k, agent ~2.6k tokens, reached only by a model that fills
+    # every field; with prompts of 2-5k tokens, four slots fit the 32k shared KV cache. 300
+    # characters hold any one rule the Formula tasks need; 6 operations a window is more than
+    # a small curator writes well.
     return msgspec.structs.replace(
         llm,
-        reflector=role_config(server, max_tokens=600, max_string_chars=250, max_list_items=8),
-        curator=role_config(server, max_tokens=900, max_string_chars=400, max_list_items=8),
-        combiner=role_config(server, max_tokens=900, max_string_chars=400, max_list_items=12),
-        agent=role_config(server, max_tokens=800, max_string_chars=600, max_list_items=8),
-        judge=role_config(server, max_tokens=300, max_string_chars=300, max_list_items=4),
+        reflector=role_config(server, max_string_chars=300, max_list_items=6),
+        curator=role_config(server, max_string_chars=300, max_list_items=6),
+        combiner=role_config(server, max_string_chars=300, max_list_items=8),
+        agent=role_config(server, max_string_chars=400, max_list_items=6),
+        judge=role_config(server, max_string_chars=300, max_list_items=4),
         concurrency=server.parallel,
         timeout_s=max(llm.timeout_s, 900.0),
         max_attempts=3,

@@ -122,6 +122,30 @@ def _message_text(message: Any) -> tuple[str, str]:
     raise _BadRequest("message content must be a string or a list of parts", "messages")
 
 
+_PROMPT_CACHE = 8
+
+
+def _max_tokens(request: dict[str, Any]) -> int | None:
+    cap = request.get("max_completion_tokens", request.get("max_tokens"))
+    if cap is None:
+        return None
+    if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
+        raise _BadRequest("'max_tokens' must be a positive integer", "max_tokens")
+    return cap
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix, by bisection on slice comparisons (C speed)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
 def _check_chat_request(request: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
     model = request.get("model")
     if not isinstance(model, str) or not model:
@@ -168,6 +192,10 @@ class SimApp:
         self.settings = settings
         self._stats = SimStats()
         self._seen: dict[str, int] = {}
+        # The prompts of the last few requests, for a prompt cache: what a server reuses of a
+        # new prompt is its longest prefix shared with one it holds (llama-server keeps one
+        # per slot; hosted APIs keep prefixes for minutes).
+        self._cached_prompts: list[str] = []
 
     def stats(self) -> dict[str, Any]:
         return self._stats.to_dict()
@@ -176,6 +204,7 @@ class SimApp:
         """Clear stats and per-request attempt counts (a rerun then sees the same faults)."""
         self._stats = SimStats()
         self._seen.clear()
+        self._cached_prompts.clear()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -233,6 +262,13 @@ class SimApp:
         )
         return False
 
+    def _prompt_cache(self, prompt: str) -> int:
+        """Tokens of ``prompt`` served from the cache: its longest prefix shared with one of
+        the last ``_PROMPT_CACHE`` prompts (whole 4-character tokens), which it then joins."""
+        shared = max((_common_prefix(prompt, held) for held in self._cached_prompts), default=0)
+        self._cached_prompts = [prompt, *self._cached_prompts[: _PROMPT_CACHE - 1]]
+        return shared // 4
+
     def _attempt(self, request_hash: str) -> int:
         attempt = self._seen.get(request_hash, 0)
         self._seen[request_hash] = attempt + 1
@@ -254,6 +290,7 @@ class SimApp:
     async def _chat(self, body: bytes, receive: Receive, send: Send) -> None:
         request = _parse_object(body)
         model, messages = _check_chat_request(request)
+        cap = _max_tokens(request)
         if not await self._served(send, model):
             return
         prompt = "\n".join(text for role, text in messages if role == "user")
@@ -291,9 +328,14 @@ class SimApp:
             content = malformed(content)
         elif fault == "schema_violation":
             content = schema_violation(content)
-        text = content.decode()
-        tokens_in = count_tokens("\n".join(message for _, message in messages))
+        text, finish = content.decode(), "stop"
+        if cap is not None and count_tokens(text) > cap:
+            # As a real server does: decoding stops at the cap, mid-JSON.
+            text, finish = text[: cap * 4], "length"
+        sent = "\n".join(message for _, message in messages)
+        tokens_in = count_tokens(sent)
         tokens_out = count_tokens(text)
+        tokens_cached = self._prompt_cache(sent)
         delay = (
             settings.latency.seconds(
                 tokens_in, tokens_out, unit(settings.seed, "jitter", request_hash, attempt)
@@ -318,7 +360,7 @@ class SimApp:
                     {
                         "index": 0,
                         "message": {"role": "assistant", "content": text, "refusal": None},
-                        "finish_reason": "stop",
+                        "finish_reason": finish,
                         "logprobs": None,
                     }
                 ],
@@ -326,6 +368,7 @@ class SimApp:
                     "prompt_tokens": tokens_in,
                     "completion_tokens": tokens_out,
                     "total_tokens": tokens_in + tokens_out,
+                    "prompt_tokens_details": {"cached_tokens": tokens_cached},
                 },
             },
         )

@@ -106,6 +106,50 @@ def is_correct(task: Task, prediction: str) -> bool:
     return SCORERS[task.scorer](prediction, task.answer)
 
 
+_DECIMALS = re.compile(r"(\d+)\s+decimal", re.IGNORECASE)
+# Factors a wrong answer can be off by for a reason a rule fixes: percent against fraction
+# (100), thousands or millions against full units (1,000 and 1,000,000).
+_FACTORS: Final = (
+    (100, "a percentage where a fraction is expected, or the reverse"),
+    (1000, "thousands against full units"),
+    (1_000_000, "millions against full units"),
+)
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= NUMERIC_RTOL * abs(b)
+
+
+def miss_kind(task: Task, prediction: str) -> str | None:
+    """What kind of miss a wrong numeric answer is, when it is one a rule can fix: right but
+    not rounded to the decimals asked, off by a factor of 100, 1,000 or 1,000,000, the wrong
+    sign, or no number at all. None when it is none of these (a wrong formula or inputs). A
+    small model's reflector turns "expected 0.49, got 0.4923" into a rule far more often when
+    it is told the answer was right but unrounded."""
+    if task.scorer not in ("numeric", "formula"):
+        return None
+    want = parse_number(task.answer)
+    if want is None:
+        return None
+    got = parse_number(prediction)
+    if got is None:
+        return "the answer states no number"
+    asked = _DECIMALS.search(task.question)
+    places = int(asked.group(1)) if asked else len(task.answer.partition(".")[2])
+
+    def same(value: float) -> bool:
+        return round(value, places) == round(want, places) or _close(value, want)
+
+    if same(got):
+        return f"the value is right but not rounded to {places} decimal places as asked"
+    if want != 0 and same(-got):
+        return "the sign is wrong"
+    for factor, why in _FACTORS:
+        if want != 0 and (same(got / factor) or same(got * factor)):
+            return f"the answer is off by a factor of {factor:,} ({why})"
+    return None
+
+
 def task_feedback(task: Task, prediction: str) -> Feedback:
     """What the environment tells the learner about one answer: right or wrong, the reference
     answer (ACE's "with ground truth" setting), and on a wrong answer what the task set knows
@@ -116,6 +160,8 @@ def task_feedback(task: Task, prediction: str) -> Feedback:
         text = f"correct: the answer {prediction!r} matches"
     else:
         text = f"incorrect: expected {task.answer}, got {prediction!r}"
+        if kind := miss_kind(task, prediction):
+            text += f": {kind}"
         if solution := task.metadata.get("solution", ""):
             text += f"\nreference solution: {solution}"
         if extra := task.metadata.get("feedback", ""):
@@ -134,6 +180,7 @@ __all__ = [
     "finer_items",
     "formula",
     "is_correct",
+    "miss_kind",
     "numeric",
     "parse_number",
     "task_feedback",

@@ -1,0 +1,93 @@
+"""The review of proposed operations before they are applied (``core.hygiene``): what a small
+model's curator writes that must not reach the playbook, and what it must not take away."""
+
+from __future__ import annotations
+
+from combee_stream.core.hygiene import review_adds, review_edits
+from combee_stream.core.playbook import normalize
+from combee_stream.schemas import (
+    AddOp,
+    Bullet,
+    BulletTag,
+    Delta,
+    Playbook,
+    RemoveOp,
+    Section,
+    UpdateOp,
+)
+
+KEY = "finance"
+RULE = "Round the final value to the decimal places the question asks for, inside the expression."
+
+
+def playbook(*bullets: Bullet) -> Playbook:
+    return Playbook(key=KEY, sections=[Section(name="STRATEGIES", bullets=list(bullets))])
+
+
+def test_a_remove_without_evidence_is_refused_and_one_with_evidence_applies() -> None:
+    book = playbook(
+        Bullet(id="s-1", content=RULE),  # new: no counts either way
+        Bullet(id="s-2", content="Use the nominal rate for the discount.", helpful=1, harmful=3),
+        Bullet(id="s-3", content="State the answer as a fraction.", helpful=2, harmful=2),
+    )
+    delta = Delta(
+        key=KEY,
+        operations=[RemoveOp(bullet_id="s-1"), RemoveOp(bullet_id="s-2"), RemoveOp("s-3")],
+        tags=[BulletTag(bullet_id="s-3", tag="harmful")],
+    )
+    refused = review_edits(book, delta)
+    # s-2 has harmful above helpful; s-3 is tagged harmful by a trace of this window.
+    assert [(s.op, s.reason) for s in refused] == [(RemoveOp("s-1"), "unsupported_remove")]
+
+
+def test_an_update_may_refine_a_bullet_but_not_replace_it_without_evidence() -> None:
+    book = playbook(Bullet(id="s-1", content=RULE, helpful=2))
+    refine = UpdateOp(bullet_id="s-1", content=RULE + " Use round(x, 2) for 2 decimal places.")
+    replace = UpdateOp(bullet_id="s-1", content="Always answer in percent, never as a fraction.")
+    refused = review_edits(book, Delta(key=KEY, operations=[refine, replace]))
+    assert [(s.op, s.reason) for s in refused] == [(replace, "unsupported_update")]
+
+
+def test_a_formula_bullet_sharing_its_tasks_nouns_is_not_refused_as_a_restatement() -> None:
+    task = (
+        "A debt of 12,500 is paid off with equal payments of 1,500; the last payment may be "
+        "smaller. How many payments are needed?"
+    )
+    formula = (
+        "When a debt is paid off with equal payments and the last payment may be smaller, the "
+        "number of payments needed is ceil(debt / payment)."
+    )
+    instance = "A debt of 12500 is paid off with equal payments of 1500, so 9 payments."
+    prose = "When a debt is paid off with equal payments the last payment may be smaller."
+    delta = Delta(
+        key=KEY,
+        operations=[
+            AddOp(section="S", content=formula),
+            AddOp(section="S", content=instance),
+            AddOp(section="S", content=prose),
+        ],
+    )
+    rejected = review_adds(playbook(), delta, [task])
+    assert rejected == {1: "restates_task", 2: "restates_task"}
+
+
+def test_restates_task_compares_a_bullet_with_its_own_sources_only() -> None:
+    other = "A bond pays a coupon of 5 % on a face value; what is its current yield?"
+    own = "Compute the WACC of a firm with equity and debt and a tax rate."
+    bullet = "A bond that pays a coupon on its face value has a current yield."
+    delta = Delta(key=KEY, operations=[AddOp(section="S", content=bullet)])
+
+    # Against the whole window it restates the bond task; its own group saw only the WACC task.
+    assert review_adds(playbook(), delta, [other, own]) == {0: "restates_task"}
+    assert review_adds(playbook(), delta, [other, own], own_tasks={normalize(bullet): [own]}) == {}
+
+
+def test_content_carrying_a_rendered_bullet_prefix_is_refused() -> None:
+    copied = "strat-00008] helpful=0 harmful=0 :: When calculating a ratio, round it at the end."
+    delta = Delta(key=KEY, operations=[AddOp(section="S", content=copied)])
+    assert review_adds(playbook(), delta, []) == {0: "bullet_markup"}
+    update = UpdateOp(bullet_id="s-1", content="[strat-00001] " + RULE)
+    refused = review_edits(
+        playbook(Bullet(id="s-1", content=RULE)), Delta(key=KEY, operations=[update])
+    )
+    assert [s.reason for s in refused] == ["bullet_markup"]
