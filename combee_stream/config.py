@@ -22,6 +22,8 @@ from msgspec import Meta, Struct, field
 from combee_stream.errors import ConfigError
 
 ENV_PREFIX = "COMBEE__"
+# Where the engine and the agents' SDK find the key of the live canary's split by default.
+CANARY_SECRET_ENV = "COMBEE_CANARY_SECRET"
 
 Port = Annotated[int, Meta(ge=1, le=65535)]
 Positive = Annotated[int, Meta(ge=1)]
@@ -264,6 +266,9 @@ class IngestConfig(_Section):
         default_factory=lambda: ["combee.prompt.key", "gen_ai.agent.name", "service.name"]
     )
     version_attribute: str = "combee.prompt.version"
+    # The agent's session id (PromptClient's `session`, stamped by PromptSpanProcessor): the
+    # live canary counts a trace only for the version its session was served.
+    session_attribute: str = "combee.session.id"
     # An evaluation's or annotation's label that says the run passed / failed (compared
     # lowercased, spaces and dashes as underscores); any other label leaves `passed` unset.
     pass_labels: list[str] = field(
@@ -310,9 +315,18 @@ class GateConfig(_Section):
     # Keys the gate applies to (shell-style patterns); the others publish ungated.
     keys: list[str] = field(default_factory=lambda: ["*"])
     # The share of traces with a ground truth kept out of learning as held-out tasks, chosen
-    # by a hash of the trace id (the same traces on every instance, restart and replay).
+    # by a keyed hash of the trace id (the same traces on every instance, restart and replay).
     holdout_fraction: Annotated[float, Meta(gt=0, lt=1)] = 0.2
+    # The environment variable holding the key of that hash (required with `replay`, at least
+    # 16 characters, the same on every instance): without it a producer could mine trace ids
+    # that are held out first and fill the test set with its own answers. Engine-side only:
+    # agents never need it.
+    holdout_secret_env: str = "COMBEE_HOLDOUT_SECRET"
     reservoir_size: Positive = 50  # held-out tasks kept per key (a bottom-k sample by hash)
+    # At most this many held-out tasks of one window join the sample (its lowest hashes): a
+    # burst of traces, which lands in few windows, moves a bounded part of the test set, and a
+    # window is never tested mostly on tasks it brought itself (10 of the default 50).
+    holdout_per_window: Positive = 10
     regression_size: Annotated[int, Meta(ge=0)] = 20  # tasks a refused candidate broke, kept
     # Below this many held-out tasks the gate cannot judge, and refuses: nothing unverified
     # is published (its traces are learned-and-rejected, as for any refusal).
@@ -341,6 +355,12 @@ class GateConfig(_Section):
     # production's playbook.
     canary: bool = False
     canary_fraction: Annotated[float, Meta(gt=0, lt=1)] = 0.1
+    # The environment variable holding the key of the canary split (required with `canary`,
+    # at least 16 characters): a session's arm is a keyed hash of its id, so a producer without
+    # the key cannot pick sessions in the arm it wants to claim. The agents' PromptClient reads
+    # the same variable (COMBEE_CANARY_SECRET by default) to serve the candidate; an agent
+    # without it is served production.
+    canary_secret_env: str = CANARY_SECRET_ENV
     # Automatic rollback: production's live score significantly below the version it
     # replaced moves production back (recorded, with why) and the next version starts from it.
     rollback: bool = False
@@ -350,6 +370,16 @@ class GateConfig(_Section):
     # confidence (Bonferroni). A canary not shown non-inferior by its last look is refused.
     live_min_samples: Positive = 30
     live_max_looks: Positive = 5
+    # A live sample is a trace naming a version and a session that was served that version
+    # (while a canary runs: the session's arm). Promotion needs this many distinct sessions
+    # behind the candidate's samples and behind production's: one session cannot decide.
+    live_min_sessions: Positive = 5
+    # While a canary runs, the share of scored traces naming the candidate or production that
+    # are not samples (forged: the session's arm serves the other version; unattributed: no
+    # session) above which the canary is stopped, its scores untrusted (judged once
+    # live_min_samples such traces are in). Honest agents give a few at the canary's edges
+    # (a task started before it began); a producer guessing arms gives about half.
+    live_max_unattributed: Annotated[float, Meta(ge=0, le=1)] = 0.2
 
     def __post_init__(self) -> None:
         if self.evaluator != "agent" and ":" not in self.evaluator:
@@ -438,7 +468,30 @@ def secret(env_name: str, env: Mapping[str, str] | None = None) -> str | None:
     return value or None
 
 
+MIN_SECRET_CHARS = 16  # a keyed hash whose outputs are published must not be brute-forced
+
+
+def required_secret(
+    env_name: str,
+    setting: str,
+    env: Mapping[str, str] | None = None,
+    *,
+    where: str = "on every instance",
+) -> str:
+    """The secret in ``env_name`` that ``setting`` needs; ConfigError if unset or short."""
+    value = secret(env_name, env)
+    if value is None or len(value) < MIN_SECRET_CHARS:
+        state = "is not set" if value is None else f"has fewer than {MIN_SECRET_CHARS} characters"
+        raise ConfigError(
+            f"{setting} needs a secret in the environment variable {env_name}, which {state}: "
+            f"set it to the same random value {where} (e.g. `python -c 'import secrets; "
+            f"print(secrets.token_hex(32))'`)"
+        )
+    return value
+
+
 __all__ = [
+    "CANARY_SECRET_ENV",
     "BrokerConfig",
     "Config",
     "ConfigError",
@@ -453,5 +506,6 @@ __all__ = [
     "LogConfig",
     "RoleConfig",
     "load_config",
+    "required_secret",
     "secret",
 ]

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import uuid
 from contextlib import AsyncExitStack
@@ -88,6 +89,9 @@ async def _fresh_kafka(config: Config) -> Config:
 
 # The demo's publish gate: small held-out samples (a demo stream is short), a wide margin.
 DEMO_GATE = GateConfig(replay=True, holdout_fraction=0.3, min_samples=6, margin=0.2, scorer="exact")
+# The key of its held-out choice, unless the environment has one: the demo's topics are its own
+# and new, and a fixed key gives the same output on every run. A deployment sets its own.
+DEMO_HOLDOUT_SECRET = "combee-stream demo, not a deployment's key"
 
 
 async def _sim_demo(args: argparse.Namespace, config: Config) -> int:
@@ -116,7 +120,7 @@ async def _sim_demo(args: argparse.Namespace, config: Config) -> int:
         )
         say(f"3. seeding a prompt for {keys[0]}")
         await seed_prompt(cfg, keys[0], "You are a careful back-office agent.")
-        engine = Engine(cfg)
+        engine = Engine(cfg, env={DEMO_GATE.holdout_secret_env: DEMO_HOLDOUT_SECRET, **os.environ})
         async with anyio.create_task_group() as tg:
             tg.start_soon(engine.run)
             await engine.started.wait()

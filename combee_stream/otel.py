@@ -30,6 +30,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 KEY_ATTRIBUTE: Final = "combee.prompt.key"
 VERSION_ATTRIBUTE: Final = "combee.prompt.version"
+SESSION_ATTRIBUTE: Final = "combee.session.id"
 BULLET_IDS_ATTRIBUTE: Final = "combee.bullet_ids"
 
 
@@ -48,8 +49,10 @@ class _Follows(Protocol):
 
 class PromptSpanProcessor(SpanProcessor):
     """Sets ``combee.prompt.key`` and ``combee.prompt.version`` (read when the span starts, so a
-    span names the version that was served then), and ``combee.bullet_ids`` when a
-    ``bullet_ids`` callable is given and returns some, on every span started."""
+    span names the version that was served then), ``combee.session.id`` when a session is given
+    (the live canary counts a trace only for the version its session was served), and
+    ``combee.bullet_ids`` when a ``bullet_ids`` callable is given and returns some, on every
+    span started."""
 
     def __init__(
         self,
@@ -57,21 +60,28 @@ class PromptSpanProcessor(SpanProcessor):
         version: Callable[[], int] | int = 0,
         *,
         bullet_ids: Callable[[], Sequence[str]] | None = None,
+        session: str | None = None,
     ) -> None:
         if not key:
             raise ValueError("the prompt key must not be empty")
         self.key = key
         self._version = version if callable(version) else (lambda: version)
         self._bullet_ids = bullet_ids
+        self._session = session
 
     @classmethod
     def following(cls, client: _Follows) -> PromptSpanProcessor:
-        """Stamp the key and version that ``client.current()`` (a ``PromptClient``) serves."""
-        return cls(client.current().key, lambda: client.current().version)
+        """Stamp the key, version and session that ``client.current()`` (a ``PromptClient``)
+        serves."""
+        served = client.current()
+        session = getattr(served, "session", None)  # (a Prompt has it; a stand-in may not)
+        return cls(served.key, lambda: client.current().version, session=session)
 
     def on_start(self, span: SdkSpan, parent_context: Context | None = None) -> None:
         span.set_attribute(KEY_ATTRIBUTE, self.key)
         span.set_attribute(VERSION_ATTRIBUTE, self._version())
+        if self._session:
+            span.set_attribute(SESSION_ATTRIBUTE, self._session)
         if self._bullet_ids is not None and (ids := list(self._bullet_ids())):
             span.set_attribute(BULLET_IDS_ATTRIBUTE, ids)
 
@@ -85,4 +95,10 @@ class PromptSpanProcessor(SpanProcessor):
         return True
 
 
-__all__ = ["BULLET_IDS_ATTRIBUTE", "KEY_ATTRIBUTE", "VERSION_ATTRIBUTE", "PromptSpanProcessor"]
+__all__ = [
+    "BULLET_IDS_ATTRIBUTE",
+    "KEY_ATTRIBUTE",
+    "SESSION_ATTRIBUTE",
+    "VERSION_ATTRIBUTE",
+    "PromptSpanProcessor",
+]

@@ -276,7 +276,8 @@ async def _labels(args: argparse.Namespace, config: Config) -> int:
     for name, version in sorted(labels.labels.items()):
         out.write(f"{name:<11} {version}\n")
     if labels.canary and CANDIDATE in labels.labels:
-        out.write(f"canary      {labels.canary:.0%} of sessions asking for production\n")
+        split = "keyed split" if labels.canary_key else "unkeyed split: any producer can pick arms"
+        out.write(f"canary      {labels.canary:.0%} of sessions asking for production ({split})\n")
     out.write("\n## moves\n\n")
     for m in history.moves:
         at = m.at.isoformat(timespec="seconds") if m.at else "-"

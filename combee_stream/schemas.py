@@ -92,16 +92,24 @@ class Trace(_Record):
     feedback: Feedback
     output: str = ""
     steps: list[Step] = []
-    prompt_version: NonNegative = 0
+    # The version the agent ran with; None (or absent): not said, and then the trace is no live
+    # sample of any version (0 is the key's empty playbook, or the fallback an agent served
+    # before the key had a version).
+    prompt_version: NonNegative | None = None
     bullet_ids: list[str] = []
     started_at: dt.datetime | None = None
     finished_at: dt.datetime | None = None
     metadata: dict[str, str] = {}
+    # The agent session that was served the prompt (PromptClient's `session`): the live canary
+    # counts a trace for a version only if that session's arm is served that version.
+    session: TraceId | None = None
     schema: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_id(self.trace_id)
+        if self.session is not None:
+            check_id(self.session, "session")
         if is_blank(self.task):
             raise ValueError("task is blank (no visible character)")
 
@@ -244,7 +252,7 @@ class HeldOutTask(Struct, frozen=True, forbid_unknown_fields=True):
     trace_id: str
     task: str
     answer: str
-    rank: int  # the hash of the trace id that chose it (the reservoir keeps the lowest)
+    rank: int  # the keyed hash of the trace id that chose it (the reservoir keeps the lowest)
 
 
 class Holdout(Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -361,6 +369,9 @@ class Labels(_Record):
     # The live canary: agents whose session hashes below this share get `candidate` when they
     # ask for production (0: no canary). Written by the engine with the candidate label.
     canary: float = 0.0
+    # The id of the key of that hash (kafka.history.canary_key_id of the canary secret), so an
+    # agent knows whether it holds the same secret; "": the unkeyed hash of older engines.
+    canary_key: str = ""
     seq: NonNegative = 0  # moves so far
     schema: int = SCHEMA_VERSION
 

@@ -28,6 +28,10 @@ from combee_stream.sim import IN_PROCESS_BASE_URL, SimSettings, sim_http_client,
 from combee_stream.sim.markers import retained_ids
 
 REPO = Path(__file__).resolve().parents[1]
+# The deployment's secrets a test engine runs with (the held-out choice, the canary split).
+HOLDOUT_SECRET = "test holdout key, not a deployment's"
+CANARY_SECRET = "test canary key, not a deployment's"
+SECRETS = {"COMBEE_HOLDOUT_SECRET": HOLDOUT_SECRET, "COMBEE_CANARY_SECRET": CANARY_SECRET}
 
 
 def engine_config(
@@ -75,7 +79,7 @@ async def sim_learner(cfg: Config, seed: int = 0) -> AsyncIterator[Learner]:
     async with sim_http_client(SimSettings(seed=seed)) as http:
         llm = LLMClient(cfg.llm, http_client=http, env={})
         try:
-            yield Learner.from_config(cfg, llm)
+            yield Learner.from_config(cfg, llm, env=SECRETS)
         finally:
             await llm.aclose()
 

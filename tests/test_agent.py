@@ -20,7 +20,7 @@ from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.reader import read_to_end
 from combee_stream.kafka.topics import ensure_topics
 from combee_stream.prompts_cli import seed_prompt
-from combee_stream.schemas import Feedback, PromptUpdate, Trace, decode
+from combee_stream.schemas import DecodeError, Feedback, PromptUpdate, Trace, decode
 from combee_stream.sim import SimSettings, sim_server
 from combee_stream.sim.tasks import sim_tasks
 from combee_stream.tasks import task_feedback
@@ -39,7 +39,9 @@ async def test_prompt_client_follows_versions_and_traces_carry_version_and_citat
     await ensure_topics(cfg.kafka)
     await seed_prompt(cfg, "bot", "You are careful.")
     snapshot = tmp_path / "prompt.json"
-    async with PromptClient(cfg.kafka, "bot", snapshot=snapshot, fallback="fallback") as prompts:
+    async with PromptClient(
+        cfg.kafka, "bot", snapshot=snapshot, fallback="fallback", session="agent-1"
+    ) as prompts:
         first = prompts.current()
         assert (first.version, first.text, first.source) == (0, "You are careful.", "broker")
         assert snapshot.is_file()
@@ -59,9 +61,24 @@ async def test_prompt_client_follows_versions_and_traces_carry_version_and_citat
         async with TraceProducer(cfg.kafka) as producer:
             sent = await run.send(producer, output="4", feedback=Feedback(passed=True))
     assert sent.prompt_version == 1 and sent.bullet_ids == [] and sent.key == "bot"
+    assert sent.session == "agent-1"  # the session it was served to: the live canary checks it
     (record,) = await read_to_end(cfg.kafka, cfg.kafka.traces_topic)
     received = decode(record.value, Trace)
     assert received == sent and [s.kind for s in received.steps] == ["thought"]
+
+
+def test_a_trace_that_names_no_version_has_none() -> None:
+    """``prompt_version`` and ``session`` are optional: absent, they are None (not version 0),
+    and a record written before them still decodes."""
+    bare = b'{"key": "bot", "trace_id": "t", "task": "x", "feedback": {"passed": true}}'
+    assert decode(bare, Trace).prompt_version is None and decode(bare, Trace).session is None
+    old = b'{"key": "bot", "trace_id": "t", "task": "x", "feedback": {"passed": true}, '
+    assert decode(old + b'"prompt_version": 0}', Trace).prompt_version == 0
+    assert decode(old + b'"prompt_version": null}', Trace).prompt_version is None
+    with pytest.raises(DecodeError, match=r"\$\.session"):
+        decode(old + b'"session": "a\\u2028b"}', Trace)
+    with pytest.raises(DecodeError, match="session must be printable"):
+        decode(old + b'"session": "a\\u200bb"}', Trace)  # a zero-width space
 
 
 @pytest.mark.anyio

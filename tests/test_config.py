@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from combee_stream.config import ConfigError, load_config
+from combee_stream.config import ConfigError, load_config, required_secret
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,3 +70,21 @@ def test_secrets_are_not_config_fields() -> None:
     # roles name the environment variable holding their key; no field holds a key itself
     assert cfg.llm.curator.api_key_env == "OPENAI_API_KEY"
     assert not hasattr(cfg.llm.curator, "api_key")
+
+
+def test_the_gate_and_canary_secrets_come_from_the_environment() -> None:
+    """The held-out choice and the canary split are keyed by secrets only the environment
+    holds; a missing or short one stops the start with the variable named."""
+    cfg = load_config(None, env={})
+    assert (cfg.gate.holdout_secret_env, cfg.gate.canary_secret_env) == (
+        "COMBEE_HOLDOUT_SECRET",
+        "COMBEE_CANARY_SECRET",
+    )
+    with pytest.raises(
+        ConfigError, match=r"^gate\.replay needs .* COMBEE_HOLDOUT_SECRET, which is not set"
+    ):
+        required_secret("COMBEE_HOLDOUT_SECRET", "gate.replay", env={})
+    with pytest.raises(ConfigError, match="fewer than 16 characters"):
+        required_secret("COMBEE_HOLDOUT_SECRET", "gate.replay", env={"COMBEE_HOLDOUT_SECRET": "x"})
+    good = {"COMBEE_HOLDOUT_SECRET": "0123456789abcdef"}
+    assert required_secret("COMBEE_HOLDOUT_SECRET", "gate.replay", env=good) == "0123456789abcdef"

@@ -1,19 +1,30 @@
-"""The replay gate: held-out tasks chosen by trace-id hash, candidates tested on them against the
-version they extend, a poisoned candidate refused, a good one published; in process (the key
-pipeline and the simulator over in-process HTTP) and on the real broker (the engine)."""
+"""The replay gate: held-out tasks chosen by a keyed hash of the trace id, candidates tested on
+them against the version they extend, a poisoned candidate refused, a good one published; in
+process (the key pipeline and the simulator over in-process HTTP) and on the real broker (the
+engine), also against a producer that mines trace ids to take the held-out set."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import random
 from collections import Counter
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 
 import anyio
 import msgspec
 import pytest
-from engine_support import engine_config, produce, read_updates, sim_learner
+from engine_support import (
+    HOLDOUT_SECRET,
+    SECRETS,
+    engine_config,
+    produce,
+    read_updates,
+    sim_learner,
+)
 
-from combee_stream.config import Config, GateConfig, LearningConfig
+from combee_stream.config import Config, ConfigError, GateConfig, LearningConfig
 from combee_stream.core.controller import FixedBatch
 from combee_stream.core.holdout import HoldoutPolicy, rank
 from combee_stream.core.learner import Learner
@@ -31,7 +42,13 @@ from combee_stream.sim import (
     sim_server,
     simulated_llm,
 )
-from combee_stream.sim.tasks import sim_tasks, task_traces
+from combee_stream.sim.tasks import (
+    poison_line,
+    sim_tasks,
+    task_lesson,
+    task_traces,
+    wrong_code,
+)
 
 KEY = "sim-k0"
 # Small held-out sets for a test: 12 tasks, and a margin that a candidate changing none of them
@@ -61,19 +78,19 @@ def test_the_bound_rewards_gains_and_refuses_losses() -> None:
 
 
 def test_holdout_is_a_function_of_the_trace_id() -> None:
-    policy = HoldoutPolicy(GATE)
+    policy = HoldoutPolicy(GATE, HOLDOUT_SECRET)
     traces = task_traces(sim_tasks(400, 1, 20))
     held = [t for t in traces if policy.held_out(t) is not None]
     assert 0.2 < len(held) / len(traces) < 0.4  # about holdout_fraction
-    assert all(rank(t.trace_id) < 0.3 * 2**64 for t in held)
+    assert all(rank(t.trace_id, HOLDOUT_SECRET) < 0.3 * 2**64 for t in held)
     # Without a ground truth, or for a key the gate does not cover, nothing is held out.
     bare = msgspec.structs.replace(held[0], feedback=Feedback(passed=False))
     assert policy.held_out(bare) is None
-    other = HoldoutPolicy(msgspec.structs.replace(GATE, keys=["support-*"]))
+    other = HoldoutPolicy(msgspec.structs.replace(GATE, keys=["support-*"]), HOLDOUT_SECRET)
     assert other.held_out(held[0]) is None
     # The sample is the lowest ranks, whatever the arrival order, and bounded.
     tasks = [policy.held_out(t) for t in held]
-    small = HoldoutPolicy(msgspec.structs.replace(GATE, reservoir_size=10))
+    small = HoldoutPolicy(msgspec.structs.replace(GATE, reservoir_size=10), HOLDOUT_SECRET)
     one, two = None, None
     for task in tasks:
         one = small.add(one, [task])  # type: ignore[list-item]
@@ -82,6 +99,38 @@ def test_holdout_is_a_function_of_the_trace_id() -> None:
     two = small.add(None, shuffled)  # type: ignore[arg-type]
     assert one is not None and one == two and len(one.tasks) == 10
     assert [t.rank for t in one.tasks] == sorted(t.rank for t in tasks)[:10]  # type: ignore[union-attr]
+
+
+def test_the_held_out_sample_takes_a_bounded_share_of_one_window() -> None:
+    policy = HoldoutPolicy(GATE, HOLDOUT_SECRET)
+    honest = [t for t in (policy.held_out(x) for x in task_traces(sim_tasks(400, 1, 20))) if t][:30]
+    sample = policy.add(None, honest[:10])
+    sample = policy.add(sample, honest[10:20])
+    sample = policy.add(sample, honest[20:])
+    assert len(sample.tasks) == 30
+    # One window bringing 40 tasks that all rank below every task held (as mined ids would if
+    # the hash were public): only gate.holdout_per_window of them join.
+    burst = [HeldOutTask(trace_id=f"x-{i}", task="t", answer="a", rank=i) for i in range(40)]
+    after = policy.add(sample, burst)
+    assert sum(t.trace_id.startswith("x-") for t in after.tasks) <= GATE.holdout_per_window
+    # Ranks are the policy's, not the record's: a task claiming rank 0 is ranked by its id.
+    assert all(t.rank == policy.rank(t.trace_id) for t in after.tasks)
+    # A trace id already in the sample keeps its task: a re-send cannot rewrite its answer.
+    first = sample.tasks[0]
+    forged = msgspec.structs.replace(first, answer="the attacker's answer")
+    assert policy.add(sample, [forged]).tasks[0] == first
+    # A rotated secret re-ranks what is kept.
+    rotated = HoldoutPolicy(GATE, "another deployment secret")
+    assert all(t.rank == rotated.rank(t.trace_id) for t in rotated.add(sample, []).tasks)
+
+
+def test_neither_the_replay_gate_nor_the_canary_starts_without_its_secret() -> None:
+    llm = simulated_llm(IN_PROCESS_BASE_URL)
+    with pytest.raises(ConfigError, match=r"gate\.replay needs .* COMBEE_HOLDOUT_SECRET"):
+        Engine(Config(llm=llm, gate=GATE), env={})
+    canary = GateConfig(canary=True)
+    with pytest.raises(ConfigError, match=r"gate\.canary needs .* COMBEE_CANARY_SECRET"):
+        Engine(Config(llm=llm, gate=canary), env={"COMBEE_CANARY_SECRET": "too short"})
 
 
 def gated_learner(gate: GateConfig = GATE) -> AbstractAsyncContextManager[Learner]:
@@ -94,7 +143,7 @@ def poisoned_stream(good: int, poisoned: int, lessons: int = 12) -> list[Trace]:
     the replay gate can measure; a poison for a lesson no held-out task needs breaks nothing
     it can see, and bench gate reports that case)."""
     tasks = sim_tasks(good + poisoned * 4, 1, lessons)
-    policy = HoldoutPolicy(GATE)
+    policy = HoldoutPolicy(GATE, HOLDOUT_SECRET)
     covered = {
         trace.metadata["lesson_id"]
         for trace in task_traces(tasks[:good])
@@ -178,6 +227,92 @@ async def test_the_engine_never_serves_a_poisoned_candidate_across_a_restart(
     assert "poison." not in served.prompt and lessons([served]) >= good_lessons
 
 
+def mined(n: int, rank_of: Callable[[str], int], prefix: str) -> list[str]:
+    """``n`` trace ids whose ``rank_of`` is below 0.0005 of the hash space (the ids the issue's
+    attacker mined in 0.14 s against the unkeyed hash)."""
+    below, found, i = int(0.0005 * 2**64), [], 0
+    while len(found) < n:
+        candidate = f"{prefix}-{i}"
+        i += 1
+        if rank_of(candidate) < below:
+            found.append(candidate)
+    return found
+
+
+def public_rank(trace_id: str) -> int:
+    """The held-out hash before it was keyed: sha256("holdout:" + trace id)."""
+    return int.from_bytes(hashlib.sha256(f"holdout:{trace_id}".encode()).digest()[:8], "big")
+
+
+def guessed_rank(trace_id: str) -> int:
+    """The keyed hash with a secret the attacker guessed (not the deployment's)."""
+    digest = hmac.new(b"a guess", f"holdout:{trace_id}".encode(), hashlib.sha256).digest()
+    return int.from_bytes(digest[:8], "big")
+
+
+@pytest.mark.kafka
+@pytest.mark.anyio
+async def test_mined_trace_ids_neither_take_the_held_out_set_nor_pass_a_poisoned_version(
+    config: Config, unique: str
+) -> None:
+    """A producer mines 50 trace ids that rank first under the public hash and 50 under a
+    guessed secret, and sends them with its own ground truth (the answers a poisoned prompt
+    gives) and a poisoned lesson, for lessons the honest held-out tasks need. Before the hash
+    was keyed, the 50 were all held out, evicted every honest task and a poisoned version
+    passed the gate (current 0.0, candidate 1.0)."""
+    honest = task_traces(sim_tasks(96, 1, 12))
+    async with sim_server(SimSettings(seed=0)) as llm:
+        cfg = engine_config(config, unique, llm.base_url, batch_size=12, max_wait_s=1.0)
+        cfg = msgspec.structs.replace(
+            cfg, gate=GATE, learning=msgspec.structs.replace(cfg.learning, seed=0)
+        )
+        learned = await engine_learns(cfg, honest, {t.trace_id for t in honest})
+        before = max((u for u in learned if u.key == KEY), key=lambda u: u.version)
+        assert before.holdout is not None and len(before.holdout.tasks) >= GATE.min_samples
+        sample = {t.trace_id for t in before.holdout.tasks}
+        covered = {task_lesson(t.task) for t in before.holdout.tasks}
+        assert "poison." not in before.prompt and lessons([before])
+        old_ids, guessed_ids = mined(50, public_rank, "m"), mined(50, guessed_rank, "g")
+        tasks = [t for t in sim_tasks(300, 1, 12, start=5000) if t.metadata["lesson"] in covered]
+        attack = [
+            Trace(
+                key=KEY,
+                trace_id=trace_id,
+                task=task.question,
+                output=task.answer,
+                feedback=Feedback(
+                    passed=False,
+                    score=0.0,
+                    ground_truth=str(wrong_code(int(task.answer))),
+                    text=poison_line(0, task.metadata["lesson"]),
+                ),
+            )
+            for trace_id, task in zip([*old_ids, *guessed_ids], tasks, strict=False)
+        ]
+        assert len(attack) == 100
+        ids = {t.trace_id for t in [*honest, *attack]}
+        updates = await engine_learns(cfg, attack, ids)
+    keyed = sorted((u for u in updates if u.key == KEY), key=lambda u: u.version)
+    assert consumed(keyed) == Counter(ids)  # every trace consumed once
+    held = {i for u in keyed for i in u.stats.held_out}
+    # Mined ids are held out like any others (about gate.holdout_fraction of them), not all.
+    assert len(held & set(old_ids)) <= 0.6 * len(old_ids)
+    assert len(held & set(guessed_ids)) <= 0.6 * len(guessed_ids)
+    # The honest held-out tasks are still most of what the gate tests on.
+    newest = keyed[-1]
+    assert newest.holdout is not None
+    kept = {t.trace_id for t in newest.holdout.tasks}
+    assert len(kept & sample) >= len(sample) / 2, (len(kept & sample), len(sample))
+    assert len(kept & sample) > len(kept & {t.trace_id for t in attack})
+    # No version carried the poison, and what agents are served never did.
+    assert all("poison." not in u.prompt for u in keyed)
+    caught = [u.stats.gate for u in keyed if u.version > before.version and u.stats.gate]
+    assert any(g.pruned or (not g.accepted and g.broke) for g in caught)
+    history = await read_history(cfg.kafka, KEY)
+    served = history.versions[history.resolve(PRODUCTION) or 0]
+    assert "poison." not in served.prompt
+
+
 def lessons(updates: list[PromptUpdate]) -> set[str]:
     newest = max((u for u in updates if u.key == KEY), key=lambda u: u.version)
     return {line.split("LESSON[", 1)[1].split("]", 1)[0] for line in newest.prompt.splitlines()
@@ -186,7 +321,7 @@ def lessons(updates: list[PromptUpdate]) -> set[str]:
 
 async def engine_learns(cfg: Config, traces: list[Trace], ids: set[str]) -> list[PromptUpdate]:
     """An engine run that sends ``traces`` and stops once ``ids`` are all consumed."""
-    engine = Engine(cfg)
+    engine = Engine(cfg, env=SECRETS)
     async with anyio.create_task_group() as tg:
         tg.start_soon(engine.run)
         await engine.started.wait()

@@ -291,7 +291,7 @@ def test_messages_sent_as_log_events_join_their_spans(runs: dict[str, AgentRun])
 
 def test_key_falls_back_to_agent_name_then_service_name(runs: dict[str, AgentRun]) -> None:
     assert trace_of(runs["unkeyed"]).key == "calc-agent"  # gen_ai.agent.name
-    assert trace_of(runs["unkeyed"]).prompt_version == 0
+    assert trace_of(runs["unkeyed"]).prompt_version is None  # not said: no version, not 0
     assert trace_of(runs["anonymous"]).key == "anon-svc"  # the resource's service.name
     assert prompt_key(spans_of(runs["captured"]), SETTINGS) == "calc-bot"
     only_service = IngestConfig(key_attributes=["service.name"])
@@ -554,6 +554,24 @@ def test_prompt_span_processor_follows_the_served_version() -> None:
     assert stamped == [("calc-bot", 4, ("calc-00002",)), ("calc-bot", 5, ("calc-00002",))]
 
 
+def test_the_session_travels_from_the_agent_to_the_trace() -> None:
+    """PromptSpanProcessor stamps the session the prompt was served to; the trace carries it,
+    so the live canary can check the version was that session's. An id that is not one (a
+    newline in it) is dropped, the trace still learned."""
+    traces = []
+    for session in ("agent-7", "bad\nid", None):
+        processor = PromptSpanProcessor("calc-bot", 3, session=session)
+        provider, collector = tracer_provider(processors=[processor])
+        tracer = provider.get_tracer("tests.agent")
+        agent = {"gen_ai.operation.name": "invoke_agent", "input.value": "What is 2 + 2?"}
+        with tracer.start_as_current_span("invoke_agent", attributes=agent):
+            pass
+        provider.shutdown()
+        spans = decode_telemetry(encode_proto(collector.spans), "otlp_proto", "traces").spans
+        traces.append(trace_from_spans(spans, [], SETTINGS, feedback=FEEDBACK))
+    assert [(t.session, t.prompt_version) for t in traces] == [("agent-7", 3), (None, 3), (None, 3)]
+
+
 def test_prompt_span_processor_following_a_client() -> None:
     class Current(msgspec.Struct):
         key: str
@@ -578,6 +596,7 @@ def test_prompt_span_processor_following_a_client() -> None:
     provider.shutdown()
     versions = [dict(s.attributes or {})["combee.prompt.version"] for s in collector.spans]
     assert versions == [-1, 7]
+    assert all("combee.session.id" not in (s.attributes or {}) for s in collector.spans)
     first = decode_telemetry(encode_proto(collector.spans[:1]), "otlp_proto", "traces").spans
     assert prompt_key(first, SETTINGS) == "support-bot"
     trace = trace_from_spans(first, [], SETTINGS, feedback=FEEDBACK)

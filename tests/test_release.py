@@ -1,7 +1,8 @@
 """The live canary and automatic rollback on the real broker: agents (the example agent through
 the simulator's agent role) ask for production with a session id, the engine scores each
 version from the traces they send back, and moves the labels; what the stable agents are
-served is checked at every step."""
+served is checked at every step. Traces are untrusted: forged claims of a version, traces that
+name no version and one session's flood do not decide a canary."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import re
 import anyio
 import msgspec
 import pytest
-from engine_support import engine_config, produce, read_updates
+from engine_support import CANARY_SECRET, SECRETS, engine_config, produce, read_updates
 
 from combee_stream.agent.answerer import Answerer
 from combee_stream.config import Config, GateConfig
@@ -27,7 +28,9 @@ from combee_stream.tasks.base import Task, is_correct, task_feedback
 
 pytestmark = pytest.mark.anyio
 KEY = "sim-k0"
-LIVE = GateConfig(live_min_samples=10, live_max_looks=3, margin=0.1, confidence=0.9)
+LIVE = GateConfig(
+    live_min_samples=10, live_max_looks=3, margin=0.1, confidence=0.9, live_min_sessions=1
+)
 
 
 @pytest.fixture
@@ -46,11 +49,21 @@ def test_welch_bounds() -> None:
     assert bounds(same, same, 1.645) == (0.0, 0.0)
 
 
-def session_pair(fraction: float) -> tuple[str, str]:
+def sessions(
+    fraction: float, n: int, *, inside: bool, secret: str | None = CANARY_SECRET
+) -> list[str]:
+    """``n`` session ids in (or out of) the canary share of KEY, by the split keyed with
+    ``secret`` (None: the public, unkeyed hash)."""
     ids = (f"agent-{i}" for i in itertools.count())
-    inside = next(s for s in ids if in_canary(s, fraction))
-    outside = next(s for s in ids if not in_canary(s, fraction))
-    return inside, outside
+    return list(
+        itertools.islice(
+            (s for s in ids if in_canary(s, fraction, key=KEY, secret=secret) == inside), n
+        )
+    )
+
+
+def session_pair(fraction: float) -> tuple[str, str]:
+    return sessions(fraction, 1, inside=True)[0], sessions(fraction, 1, inside=False)[0]
 
 
 def gated(config: Config, unique: str, url: str, gate: GateConfig) -> Config:
@@ -68,7 +81,7 @@ def live_trace(task: Task, session: str, n: int, version: int, output: str) -> T
         output=output,
         prompt_version=version,
         feedback=task_feedback(task, output),
-        metadata={"session": session},
+        session=session,
     )
 
 
@@ -89,7 +102,7 @@ async def test_the_canary_promotes_a_good_candidate_and_refuses_a_poisoned_one(
     served_outside: list[int] = []
     async with sim_server(SimSettings(seed=0)) as llm:
         cfg = gated(config, unique, llm.base_url, gate)
-        engine = Engine(cfg)
+        engine = Engine(cfg, env=SECRETS)
         agent_llm = LLMClient(cfg.llm, env={})
         answerer = Answerer(agent_llm)
         counter = itertools.count()
@@ -98,8 +111,20 @@ async def test_the_canary_promotes_a_good_candidate_and_refuses_a_poisoned_one(
             await engine.started.wait()
             await produce(cfg, teach)
             async with (
-                PromptSubscriber(cfg.kafka, keys={KEY}, label=PRODUCTION, session=inside) as a,
-                PromptSubscriber(cfg.kafka, keys={KEY}, label=PRODUCTION, session=outside) as b,
+                PromptSubscriber(
+                    cfg.kafka,
+                    keys={KEY},
+                    label=PRODUCTION,
+                    session=inside,
+                    canary_secret=CANARY_SECRET,
+                ) as a,
+                PromptSubscriber(
+                    cfg.kafka,
+                    keys={KEY},
+                    label=PRODUCTION,
+                    session=outside,
+                    canary_secret=CANARY_SECRET,
+                ) as b,
             ):
                 versions = {}
 
@@ -165,7 +190,7 @@ async def test_a_live_regression_rolls_production_back(config: Config, unique: s
     tasks = sim_tasks(8, 1, 8)
     async with sim_server(SimSettings(seed=0)) as llm:
         cfg = gated(config, unique, llm.base_url, gate)
-        engine = Engine(cfg)
+        engine = Engine(cfg, env=SECRETS)
         async with anyio.create_task_group() as tg:
             tg.start_soon(engine.run)
             await engine.started.wait()
@@ -216,3 +241,135 @@ class _None:
 
 
 _none = _None()
+
+
+def scored(session: str | None, n: int, version: int, score: float) -> Trace:
+    """A trace that claims ``version`` and ``score`` (nothing more is needed to write one)."""
+    task = sim_tasks(1, 1, 8, start=900 + n)[0]
+    return Trace(
+        key=KEY,
+        trace_id=f"claim-{n}",
+        task=task.question,
+        output="0",
+        prompt_version=version,
+        feedback=Feedback(passed=score > 0.5, score=score),
+        session=session,
+    )
+
+
+def live_counts(engine: Engine) -> dict[str, float]:
+    return {
+        s.labels["outcome"]: s.value
+        for family in engine.metrics.live_traces.collect()
+        for s in family.samples
+        if s.name.endswith("_total")
+    }
+
+
+async def wait_for_move(cfg: Config, word: str, limit_s: float = 60) -> LabelMove:
+    with anyio.fail_after(limit_s):
+        while True:
+            history = await read_history(cfg.kafka, KEY)
+            found = [m for m in history.moves if word in m.why]
+            if found:
+                return found[-1]
+            await anyio.sleep(0.3)
+
+
+@pytest.mark.kafka
+async def test_forged_live_traces_do_not_promote_and_stop_the_canary(
+    config: Config, unique: str
+) -> None:
+    """The issue's attack: 24 traces claiming the candidate with score 1 and 24 claiming
+    production with score 0, from no session, random sessions, and sessions that the public
+    (unkeyed) hash puts in the arm they claim; and ordinary learning traces, which name no
+    version. Before, those counted as production v0 samples at 0.0, the forged ones as samples
+    too, and the candidate was promoted."""
+    gate = msgspec.structs.replace(LIVE, canary=True, canary_fraction=0.1, live_min_sessions=3)
+    teach = task_traces(sim_tasks(8, 1, 8))
+    assert all(t.prompt_version is None for t in teach)
+    public_in = sessions(gate.canary_fraction, 8, inside=True, secret=None)
+    public_out = sessions(gate.canary_fraction, 8, inside=False, secret=None)
+    async with sim_server(SimSettings(seed=0)) as llm:
+        cfg = gated(config, unique, llm.base_url, gate)
+        engine = Engine(cfg, env=SECRETS)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.run)
+            await engine.started.wait()
+            await produce(cfg, teach)
+            started = await wait_for_move(cfg, "canary: v")
+            candidate = started.to_version
+            assert candidate is not None and candidate >= 1
+            # A session in the keyed canary arm is served the candidate only by a subscriber
+            # holding the canary secret; one without it cannot tell its arm: production.
+            [agent] = sessions(gate.canary_fraction, 1, inside=True)
+            for held, expected in ((CANARY_SECRET, candidate), (None, None)):
+                async with PromptSubscriber(
+                    cfg.kafka, keys={KEY}, label=PRODUCTION, session=agent, env={},
+                    canary_secret=held,
+                ) as sub:  # fmt: skip
+                    served = sub.latest(KEY)  # production is v0: no record, None
+                    assert (served.version if served else None) == expected
+            forged = []
+            for i in range(24):
+                picks = (
+                    (None, f"rand-{i}", public_in[i % 8]),
+                    (None, f"rand-{i}", public_out[i % 8]),
+                )
+                forged.append(scored(picks[0][i % 3], 2 * i, candidate, 1.0))
+                forged.append(scored(picks[1][i % 3], 2 * i + 1, 0, 0.0))
+            await produce(cfg, forged)
+            stop = await wait_for_move(cfg, "canary stopped")
+            counts = live_counts(engine)
+            engine.stop()
+    history = await read_history(cfg.kafka, KEY)
+    assert not [m for m in history.moves if "canary passed" in m.why]
+    assert history.labels.production == 0  # production never moved to the candidate
+    assert stop.label == "candidate" and stop.to_version is None and stop.by.endswith("engine")
+    assert "gate.live_max_unattributed = 0.2" in stop.why, stop.why
+    found = re.search(
+        r"(\d+) of (\d+) scored traces .*\((\d+) forged.*; (\d+) name no session", stop.why
+    )
+    assert found is not None, stop.why
+    untrusted, claimed, forged_n, unattributed = map(int, found.groups())
+    assert claimed >= gate.live_min_samples and untrusted > 0.2 * claimed
+    assert forged_n >= 1 and unattributed >= 1 and forged_n + unattributed == untrusted
+    # Traces that name no version are no sample of v0: every learning trace is counted so.
+    assert counts.get("no_version") == len(teach)
+    assert counts.get("forged", 0) >= forged_n and counts.get("unattributed", 0) >= unattributed
+    assert engine.metrics.gate_reviews.labels("canary", "stopped")._value.get() >= 1
+
+
+@pytest.mark.kafka
+async def test_one_session_cannot_promote_a_candidate(config: Config, unique: str) -> None:
+    """Attributable traces (each from a session its arm serves the version it claims) of one
+    session per arm: without gate.live_min_sessions they would promote at the first look."""
+    gate = msgspec.structs.replace(LIVE, canary=True, canary_fraction=0.5, live_min_sessions=3)
+    inside, outside = session_pair(gate.canary_fraction)
+    teach = task_traces(sim_tasks(8, 1, 8))
+    async with sim_server(SimSettings(seed=0)) as llm:
+        cfg = gated(config, unique, llm.base_url, gate)
+        engine = Engine(cfg, env=SECRETS)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.run)
+            await engine.started.wait()
+            await produce(cfg, teach)
+            started = await wait_for_move(cfg, "canary: v")
+            candidate = started.to_version
+            assert candidate is not None
+            claims = [
+                trace
+                for i in range(gate.live_min_samples * gate.live_max_looks)
+                for trace in (
+                    scored(inside, 2 * i, candidate, 1.0),
+                    scored(outside, 2 * i + 1, 0, 0.0),
+                )
+            ]
+            await produce(cfg, claims)
+            refused = await wait_for_move(cfg, "canary refused")
+            counts = live_counts(engine)
+            engine.stop()
+    history = await read_history(cfg.kafka, KEY)
+    assert not [m for m in history.moves if "canary passed" in m.why]
+    assert "gate.live_min_sessions = 3" in refused.why, refused.why
+    assert counts.get("sample") == len(claims)  # all attributable: only the sessions were few

@@ -42,13 +42,17 @@ class Prompt(Struct, frozen=True, kw_only=True):
     version: int  # -1 for a fallback prompt
     bullet_ids: list[str]  # ids of the playbook bullets it carries
     source: Source  # where it came from
+    # The session it was served to (the client's): traces of runs with it name it, so that the
+    # live canary can check the version was this session's to run.
+    session: str | None = None
 
 
-def prompt_of(update: PromptUpdate, source: Source) -> Prompt:
+def prompt_of(update: PromptUpdate, source: Source, session: str | None = None) -> Prompt:
     ids = [b.id for section in update.playbook.sections for b in section.bullets]
     return Prompt(
-        key=update.key, text=update.prompt, version=update.version, bullet_ids=ids, source=source
-    )
+        key=update.key, text=update.prompt, version=update.version, bullet_ids=ids,
+        source=source, session=session,
+    )  # fmt: skip
 
 
 class PromptClient:
@@ -63,14 +67,17 @@ class PromptClient:
         env: Mapping[str, str] | None = None,
         label: str = "production",
         session: str | None = None,
+        canary_secret: str | None = None,
     ) -> None:
         self._kafka = kafka
         self.key = key
         self.label = label  # which version to serve: production (default), latest, candidate...
         self.session = session  # a session or agent id: places it in or out of a live canary
+        # The key of the canary split (default: $COMBEE_CANARY_SECRET), as the engine's.
+        self._canary_secret = canary_secret
         self._snapshot = Path(snapshot) if snapshot is not None else None
         self._fallback = Prompt(
-            key=key, text=fallback, version=-1, bullet_ids=[], source="fallback"
+            key=key, text=fallback, version=-1, bullet_ids=[], source="fallback", session=session
         )
         self._connect_timeout_s = connect_timeout_s
         self._env = env
@@ -132,7 +139,7 @@ class PromptClient:
             and update.version < self._current.version
         ):
             return
-        self._current = prompt_of(update, "broker")
+        self._current = prompt_of(update, "broker", self.session)
         self._write_snapshot(update)
         self._changed.set()
         self._changed = anyio.Event()
@@ -143,7 +150,7 @@ class PromptClient:
             try:
                 async with PromptSubscriber(
                     self._kafka, keys={self.key}, env=self._env, label=self.label,
-                    session=self.session,
+                    session=self.session, canary_secret=self._canary_secret,
                 ) as sub:  # fmt: skip
                     self.connected = True
                     attempt = 0
@@ -170,7 +177,7 @@ class PromptClient:
                 "unreadable prompt snapshot ignored", path=str(self._snapshot), error=exc.reason
             )
             return None
-        return prompt_of(update, "snapshot") if update.key == self.key else None
+        return prompt_of(update, "snapshot", self.session) if update.key == self.key else None
 
     def _write_snapshot(self, update: PromptUpdate) -> None:
         if self._snapshot is None:

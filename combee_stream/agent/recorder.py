@@ -1,5 +1,5 @@
-"""Recording one run of an agent as a ``Trace``: the prompt version it ran with, its steps, the
-bullets it cited, its answer and the feedback."""
+"""Recording one run of an agent as a ``Trace``: the prompt version it ran with and the session
+it was served to, its steps, the bullets it cited, its answer and the feedback."""
 
 from __future__ import annotations
 
@@ -69,7 +69,9 @@ class RunRecorder:
             feedback=feedback,
             output=output,
             steps=list(self.steps),
+            # A fallback prompt (-1) is what the key's version 0 means: nothing learned yet.
             prompt_version=max(0, self.prompt.version),
+            session=self.prompt.session,
             bullet_ids=list(self.cited),
             started_at=self.started_at,
             finished_at=utcnow(),

@@ -48,6 +48,9 @@ from combee_stream.sim import LatencyModel, SimSettings, sim_server, simulated_l
 from combee_stream.sim.tasks import sim_tasks, task_traces
 
 KEY: Final = "sim-k0"
+# The key of the held-out choice: fixed, so that every run of the benchmark holds out the same
+# traces (a deployment's comes from its environment, gate.holdout_secret_env).
+BENCH_HOLDOUT_SECRET: Final = "combee-stream bench gate held-out key"
 
 
 class GateBenchSettings(Struct, frozen=True, kw_only=True):
@@ -203,7 +206,7 @@ async def _run(
     sink = TimedSink()
     published_at = sink.published_at
     try:
-        learner = Learner.from_config(cfg, llm)
+        learner = Learner.from_config(cfg, llm, env={gate.holdout_secret_env: BENCH_HOLDOUT_SECRET})
         send, recv = anyio.create_memory_object_stream[Pending](len(traces))
         pipeline = KeyPipeline(
             KeyChain(KEY), learner, batch_policy(cfg.learning, key=KEY, batch_size=s.batch_size),

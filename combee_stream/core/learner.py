@@ -64,7 +64,7 @@ import anyio
 import msgspec
 from msgspec import Struct
 
-from combee_stream.config import Config, LearningConfig
+from combee_stream.config import Config, LearningConfig, required_secret
 from combee_stream.core.delta import empty, merge, rebase
 from combee_stream.core.gate import AcceptAll, Candidate, PublishGate, Verdict, gate_from_config
 from combee_stream.core.holdout import HoldoutPolicy
@@ -281,14 +281,19 @@ class Learner:
         *,
         strategy_name: str | None = None,
         gate: PublishGate | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> Learner:
         """A learner with every option of ``config`` wired: strategy, scan parameters, prompt
         overrides, semantic dedup through ``llm``'s embeddings endpoint when
         ``llm.embeddings.enabled``, and the gate (``gate``, else the one ``config.gate`` asks for,
-        with its held-out policy). Fails fast (``MissingEndpointError``) when a role it will call
-        has no endpoint."""
+        with its held-out policy, keyed by the secret ``gate.holdout_secret_env`` names in
+        ``env``, default the process environment). Fails fast (``MissingEndpointError``) when a
+        role it will call has no endpoint, ``ConfigError`` when the replay gate has no secret."""
         llm.require(*required_roles(config, strategy_name))  # type: ignore[arg-type]
-        holdout = HoldoutPolicy(config.gate) if config.gate.replay else None
+        holdout = None
+        if config.gate.replay:
+            key = required_secret(config.gate.holdout_secret_env, "gate.replay", env)
+            holdout = HoldoutPolicy(config.gate, key)
         embeddings = config.llm.embeddings
         return cls(
             llm,

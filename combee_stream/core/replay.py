@@ -44,7 +44,7 @@ from combee_stream.agent.answerer import Answerer
 from combee_stream.config import GateConfig
 from combee_stream.core.fencing import fence
 from combee_stream.core.gate import Candidate, Verdict
-from combee_stream.core.holdout import HoldoutPolicy, review_tasks
+from combee_stream.core.holdout import covers, review_tasks, with_regressions
 from combee_stream.core.llm import LLMCallError, LLMClient
 from combee_stream.core.playbook import render
 from combee_stream.errors import ConfigError
@@ -157,7 +157,6 @@ class ReplayGate:
     def __init__(self, config: GateConfig, evaluate: Evaluator) -> None:
         self._config = config
         self._evaluate = evaluate
-        self._policy = HoldoutPolicy(config)
 
     @classmethod
     def from_config(cls, config: GateConfig, llm: LLMClient) -> ReplayGate:
@@ -169,7 +168,7 @@ class ReplayGate:
         return cls(config, load_evaluator(config.evaluator))
 
     async def review(self, candidate: Candidate) -> Verdict:
-        if not self._policy.applies(candidate.key):
+        if not covers(self._config, candidate.key):
             return Verdict(accepted=True)
         tasks = review_tasks(candidate.holdout)
         cfg = self._config
@@ -226,7 +225,7 @@ class ReplayGate:
         )
         holdout = candidate.holdout
         if not accepted and holdout is not None and cfg.regression_size:
-            holdout = self._policy.regress(holdout, broke)
+            holdout = with_regressions(holdout, broke, cfg.regression_size)
         # Credit assignment: the candidate's new bullets that the agent cited on a held-out
         # task it answered wrong (a lesson it relied on and failed with: wrong, or not enough).
         # Comparing with the parent cannot see a bad new rule for a task the parent fails too;

@@ -35,7 +35,7 @@ from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 from anyio.abc import TaskGroup
 
-from combee_stream.config import Config
+from combee_stream.config import Config, required_secret
 from combee_stream.core.gate import PublishGate
 from combee_stream.core.learner import Learner, required_roles
 from combee_stream.core.llm import LLMClient
@@ -88,7 +88,13 @@ class Engine:
         self._llm = llm or LLMClient(config.llm, env=env)
         self._owns_llm = llm is None
         # First: a role without an endpoint raises here, before any Kafka client exists to leak.
-        learner = Learner.from_config(config, self._llm, gate=gate)
+        learner = Learner.from_config(config, self._llm, gate=gate, env=env)
+        canary_secret = None
+        if config.gate.canary:  # (fails fast too: a canary no producer can steer needs it)
+            canary_secret = required_secret(
+                config.gate.canary_secret_env, "gate.canary", env,
+                where="on every instance and for every agent (PromptClient reads it)",
+            )  # fmt: skip
         self.metrics = EngineMetrics(config.engine.key_metric_series)
         self._handle_signals = handle_signals
         self._eos = config.engine.processing_guarantee == "exactly_once"
@@ -105,8 +111,9 @@ class Engine:
         )
         self._partitions: Partitions = {}
         self._release = Releaser(
-            config, self.metrics, revert=self._revert, owned=self._owns, env=env
-        )
+            config, self.metrics, revert=self._revert, owned=self._owns, env=env,
+            canary_secret=canary_secret,
+        )  # fmt: skip
         self._publisher = Publisher(
             config,
             self._partitions,

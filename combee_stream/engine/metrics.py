@@ -129,8 +129,17 @@ class EngineMetrics:
         )
         self.gate_reviews = Counter(
             "combee_gate_reviews",
-            "Candidates the publish gate reviewed, by gate and outcome (accepted, rejected)",
+            "Candidates the publish gate reviewed, by gate and outcome (accepted, rejected; "
+            "stopped: a canary whose live scores could not be trusted)",
             ["gate", "outcome"],
+            registry=r,
+        )
+        self.live_traces = Counter(
+            "combee_live_traces",
+            "Scored traces read for the live canary and rollback, by outcome: sample; forged "
+            "(its session's arm is served another version); unattributed (no session); "
+            "no_version (names none)",
+            ["outcome"],
             registry=r,
         )
         self.held_out = Counter(

@@ -1,23 +1,41 @@
 """Releases: what agents are served of each version, decided from the traces they send back.
 
-Every trace says which ``prompt_version`` the agent ran with and how it scored
-(``feedback.score``, else ``passed`` as 1/0), so the engine keeps live scores per version of
-each key and, with ``gate.canary`` or ``gate.rollback``, moves the key's labels
+A trace says which ``prompt_version`` its agent ran with, which ``session`` it was served to,
+and how it scored (``feedback.score``, else ``passed`` as 1/0). Producers are untrusted: any of
+them can write a trace claiming any version, so a trace is a **live sample** of a version only
+if the engine can attribute it: it names a version (a trace that names none is no sample of
+any) and a session, and, while a canary runs, that session's arm (a keyed hash of the session,
+:func:`combee_stream.kafka.history.canary_arm`, the split agents are served by) is served that
+version. A trace naming the candidate or production whose session's arm serves the other one is
+**forged**; one with no session is **unattributed**; both are counted
+(``combee_live_traces_total{outcome}``) and neither is a sample. With ``gate.canary`` or
+``gate.rollback`` the engine keeps live scores per version of each key and moves its labels
 (:func:`combee_stream.kafka.history.engine_move`, recorded with why):
 
 - **Live canary.** A new version becomes ``candidate`` and production is pinned where it was;
-  subscribers given a session id in the canary share (``gate.canary_fraction``, sticky by a hash
-  of the id) are served the candidate. After every ``gate.live_min_samples`` new scored traces
-  of the candidate (and as many of production since the canary began), a look compares their
-  mean scores: promoted when the lower bound of (candidate - production) is above
-  ``-gate.margin``, refused when its upper bound is below ``-gate.margin`` or the last of
-  ``gate.live_max_looks`` looks has not shown it non-inferior. A refused line is reverted: the
-  key's next window is committed onto production's playbook. Versions published while a canary
-  runs wait; the newest becomes the next candidate.
+  subscribers given a session id in the canary share (``gate.canary_fraction``, sticky by an
+  HMAC of the key and the session with ``gate.canary_secret_env``) are served the candidate.
+  After every ``gate.live_min_samples`` new samples of the candidate (and as many of
+  production since the canary began), a look compares their mean scores: promoted when the
+  lower bound of (candidate - production) is above ``-gate.margin`` and each side's samples
+  come from at least ``gate.live_min_sessions`` distinct sessions, refused when its upper bound
+  is below ``-gate.margin`` or the last of ``gate.live_max_looks`` looks has not shown it
+  non-inferior. A refused line is reverted: the key's next window is committed onto
+  production's playbook. Versions published while a canary runs wait; the newest becomes the
+  next candidate.
+- **A canary whose scores cannot be trusted is stopped.** Once ``gate.live_min_samples``
+  scored traces have named its candidate or production, a share of them above
+  ``gate.live_max_unattributed`` forged or unattributed stops it: the candidate label goes,
+  production stays, the move's why gives the figures (``prompts labels``), an error line and
+  ``combee_gate_reviews_total{gate="canary",outcome="stopped"}`` say so. The line is not
+  reverted (nothing was measured against it); the next version starts a new canary. So does a
+  canary whose split was keyed with another secret (the engine's changed under it).
 - **Automatic rollback.** Production (after a promotion, or each new version while production
   follows latest) is watched against the version it replaced: when the upper bound of (new -
   replaced) falls below 0, production moves back, and the next window starts from it. After an
   automatic rollback production stays pinned until a canary promotes or an operator does.
+  Its samples need a session too (no split to check them against: every session is served
+  production).
 
 The bound is Welch's normal interval of a difference of two means, at the one-sided level
 (1 - ``gate.confidence``) / ``gate.live_max_looks`` per look: a Bonferroni split of the error
@@ -25,7 +43,8 @@ over the looks, so a test with its looks errs at most 1 - ``gate.confidence`` (t
 valid sequential design; an alpha-spending or always-valid test would decide sooner).
 
 Decisions the issue leaves open: the scores live in memory (a restarted or new owner starts
-counting again and resumes a canary the labels show); production's canary samples are the
+counting again and resumes a canary the labels show; the traces read before the labels are
+are held, a bounded number, and counted once they are); production's canary samples are the
 ones since the canary began (both arms under the same conditions), while the version a
 rollback compares with is judged on all its samples; label writes use the per-key
 transactional id operators use (serialised with theirs), checked against ownership of the
@@ -38,7 +57,7 @@ import fnmatch
 import math
 import statistics
 from collections.abc import Callable, Collection, Mapping
-from typing import Final
+from typing import Final, Literal
 
 import anyio
 from aiokafka.errors import KafkaError
@@ -50,6 +69,8 @@ from combee_stream.kafka.history import (
     CANDIDATE,
     PRODUCTION,
     KeyHistory,
+    canary_arm,
+    canary_key_id,
     engine_move,
     partition_of,
     read_history,
@@ -60,6 +81,9 @@ from combee_stream.schemas import Labels, Playbook, PromptUpdate, Trace
 log = get_logger(__name__)
 
 _VERSIONS_KEPT: Final = 16  # live tallies per key (the newest versions)
+_PENDING_KEPT: Final = 1000  # scored traces of a key held until its labels are read
+
+Outcome = Literal["sample", "forged", "unattributed", "no_version"]
 
 
 class Tally(Struct):
@@ -102,6 +126,14 @@ def live_score(trace: Trace) -> float | None:
     return None
 
 
+class Claim(Struct, frozen=True):
+    """What one scored trace says: the version it ran with, the session, the score."""
+
+    version: int
+    session: str | None
+    score: float
+
+
 class Trial(Struct):
     """One sequential test: the versions in (``lo``, ``hi``], pooled, against ``baseline``
     (its tally from ``start`` on). A canary tests its candidate alone; a rollback watch, while
@@ -112,10 +144,23 @@ class Trial(Struct):
     hi: int
     start: Tally
     looks: int = 0
+    # A canary's distinct sessions behind the samples (each side), up to gate.live_min_sessions.
+    tested_sessions: set[str] = set()
+    base_sessions: set[str] = set()
+    # Scored traces that named the candidate or production since the canary began, by outcome.
+    claims: dict[str, int] = {}
 
     @property
     def version(self) -> int:
         return self.hi
+
+    @property
+    def untrusted(self) -> int:
+        return self.claims.get("forged", 0) + self.claims.get("unattributed", 0)
+
+    @property
+    def claimed(self) -> int:
+        return self.untrusted + self.claims.get("sample", 0)
 
 
 class KeyRelease:
@@ -129,6 +174,7 @@ class KeyRelease:
         # A line was refused: versions still built on it are not candidates; the next one is
         # the version that starts from production's playbook again (stats.reverted_to).
         self.reverting = 0  # > 0: versions still to skip (at most the one being published)
+        self.pending: list[Claim] = []  # read before the labels were: counted once they are
 
     def pooled(self, lo: int, hi: int) -> Tally:
         out = Tally()
@@ -163,9 +209,16 @@ class Releaser:
         revert: Callable[[str, int, Playbook], bool],
         owned: Callable[[str], bool],
         env: Mapping[str, str] | None = None,
+        canary_secret: str | None = None,
     ) -> None:
+        if config.gate.canary and not canary_secret:
+            raise ValueError("the live canary needs the canary secret (gate.canary_secret_env)")
         self._config = config
         self._gate = config.gate
+        # The key of the canary split (the agents' PromptClient holds the same) and its id,
+        # which the labels record when a canary starts.
+        self._secret = canary_secret
+        self._key_id = canary_key_id(canary_secret) if canary_secret else ""
         self._metrics = metrics
         self._revert = revert
         self._owned = owned
@@ -185,16 +238,57 @@ class Releaser:
     # ------------------------------------------------------------------ what it is told
 
     def observe(self, trace: Trace) -> None:
-        """A trace read for its key: score the version it ran with (cheap; no I/O)."""
+        """A trace read for its key: a live sample of the version it ran with if it can be
+        attributed to it (cheap; no I/O)."""
         if not self.applies(trace.key):
             return
         score = live_score(trace)
         if score is None:
             return
+        if trace.prompt_version is None:
+            self._metrics.live_traces.labels("no_version").inc()
+            return
         state = self._keys.setdefault(trace.key, KeyRelease())
-        state.tally(trace.prompt_version).add(score)
-        if state.labels is None or self._due(state):
+        claim = Claim(trace.prompt_version, trace.session, score)
+        if state.labels is None:  # which versions are under test is not known yet
+            if len(state.pending) < _PENDING_KEPT:
+                state.pending.append(claim)
             self._queue(trace.key, None, state)
+            return
+        self._count(state, claim)
+        if self._due(state):
+            self._queue(trace.key, None, state)
+
+    def _count(self, state: KeyRelease, claim: Claim) -> Outcome:
+        canary = state.canary
+        tested = canary is not None and claim.version in (canary.version, canary.baseline)
+        if canary is not None and tested:
+            outcome = self._attribute(state, canary, claim)
+            canary.claims[outcome] = canary.claims.get(outcome, 0) + 1
+        else:
+            outcome = "sample" if claim.session is not None else "unattributed"
+        self._metrics.live_traces.labels(outcome).inc()
+        if outcome != "sample":
+            return outcome
+        assert claim.session is not None
+        if canary is not None and tested:
+            sessions = (
+                canary.tested_sessions if claim.version == canary.version else canary.base_sessions
+            )
+            if len(sessions) < self._gate.live_min_sessions:
+                sessions.add(claim.session)
+        state.tally(claim.version).add(claim.score)
+        return outcome
+
+    def _attribute(self, state: KeyRelease, canary: Trial, claim: Claim) -> Outcome:
+        """Whether ``claim`` (of the candidate or production) is one its session was served."""
+        if claim.session is None or state.labels is None:
+            return "unattributed"
+        arm = canary_arm(state.labels, claim.session, self._secret)
+        if arm is None:
+            return "unattributed"  # (a split of another secret: the canary is being stopped)
+        served = canary.version if arm else canary.baseline
+        return "sample" if served == claim.version else "forged"
 
     def published(self, update: PromptUpdate) -> None:
         """A version of the key is durable."""
@@ -237,8 +331,19 @@ class Releaser:
         base = state.tally(trial.baseline).since(trial.start).n
         return tested >= (trial.looks + 1) * step and base >= step
 
+    def _distrusted(self, state: KeyRelease) -> bool:
+        """Whether the running canary has too many traces it cannot attribute."""
+        canary = state.canary
+        if canary is None or canary.claimed < self._gate.live_min_samples:
+            return False
+        return canary.untrusted > self._gate.live_max_unattributed * canary.claimed
+
     def _due(self, state: KeyRelease) -> bool:
-        return self._ready(state, state.canary) or self._ready(state, state.watch)
+        return (
+            self._distrusted(state)
+            or self._ready(state, state.canary)
+            or self._ready(state, state.watch)
+        )
 
     # ------------------------------------------------------------------ what it does
 
@@ -264,7 +369,10 @@ class Releaser:
         if update is not None:
             await self._on_published(key, state, update)
         while self._due(state):
-            await self._look(key, state)
+            if self._distrusted(state):
+                await self._stop(key, state)
+            else:
+                await self._look(key, state)
 
     async def _load(self, key: str, state: KeyRelease) -> None:
         history = await read_history(self._config.kafka, key, self._env)
@@ -275,6 +383,18 @@ class Releaser:
             production = self._production(history.labels, candidate)
             state.canary = _canary(candidate, production, state)
             log.info("canary resumed", key=key, candidate=candidate, production=production)
+            if history.labels.canary_key != self._key_id:
+                # Split by another key (or by the public hash of an older engine): no trace
+                # of it can be attributed with this one.
+                why = (
+                    f"canary stopped: v{candidate}'s split was keyed with another canary "
+                    f"secret than this engine's ({self._gate.canary_secret_env}); the next "
+                    "version starts a canary on this one"
+                )
+                await self._stop(key, state, why)
+        pending, state.pending = state.pending, []
+        for claim in pending:
+            self._count(state, claim)
 
     @staticmethod
     def _production(labels: Labels, newest: int) -> int:
@@ -308,6 +428,7 @@ class Releaser:
             {PRODUCTION: production, CANDIDATE: version},
             why=f"canary: v{version} to {self._gate.canary_fraction:.0%} of sessions",
             canary=self._gate.canary_fraction,
+            canary_key=self._key_id,
             state=state,
         )
         if history is not None:
@@ -326,7 +447,15 @@ class Releaser:
                 f"live score {tested.mean:.3f} (n={tested.n}) vs production v{canary.baseline} "
                 f"{base.mean:.3f} (n={base.n}), difference in [{low:+.3f}, {high:+.3f}]"
             )
-            if low > -gate.margin:
+            need = gate.live_min_sessions
+            sessions = min(len(canary.tested_sessions), len(canary.base_sessions))
+            if sessions < need:
+                summary += (
+                    f"; sessions: {len(canary.tested_sessions)} on v{canary.version}, "
+                    f"{len(canary.base_sessions)} on production, fewer than "
+                    f"gate.live_min_sessions = {need}"
+                )
+            if low > -gate.margin and sessions >= need:
                 await self._promote(key, state, canary, f"canary passed: {summary}")
             elif high < -gate.margin or canary.looks >= gate.live_max_looks:
                 await self._refuse(key, state, canary, f"canary refused: {summary}")
@@ -363,6 +492,30 @@ class Releaser:
             state.watch = Trial(trial.baseline, trial.version - 1, trial.version, Tally())
         if nxt is not None:
             state.canary = _canary(nxt, trial.version, state)
+
+    async def _stop(self, key: str, state: KeyRelease, why: str | None = None) -> None:
+        """The canary's live scores cannot be trusted: no candidate, production stays, the line
+        is not reverted (the next version is the next candidate)."""
+        canary = state.canary
+        assert canary is not None
+        if why is None:
+            c = canary.claims
+            why = (
+                f"canary stopped: {canary.untrusted} of {canary.claimed} scored traces naming "
+                f"v{canary.version} or production v{canary.baseline} "
+                f"({canary.untrusted / canary.claimed:.0%}) are no sample of it "
+                f"({c.get('forged', 0)} forged: their session's arm is served the other version; "
+                f"{c.get('unattributed', 0)} name no session), above "
+                f"gate.live_max_unattributed = {self._gate.live_max_unattributed:g}: its live "
+                f"scores cannot be trusted (agents without {self._gate.canary_secret_env}, "
+                "or a producer claiming versions)"
+            )
+        history = await self._move(key, {CANDIDATE: None}, why=why, state=state)
+        state.canary = None  # (not owned any more: its next owner judges)
+        if history is None:
+            return
+        self._metrics.gate_reviews.labels("canary", "stopped").inc()
+        log.error("canary stopped", key=key, version=canary.version, why=why)
 
     async def _refuse(self, key: str, state: KeyRelease, trial: Trial, why: str) -> None:
         history = await self._move(key, {CANDIDATE: None}, why=why, state=state)
@@ -403,12 +556,14 @@ class Releaser:
         why: str,
         state: KeyRelease,
         canary: float | None = None,
+        canary_key: str | None = None,
     ) -> KeyHistory | None:
         if not self._owned(key):
             return None
         history = await engine_move(
-            self._config.kafka, key, changes, why=why, canary=canary, env=self._env
-        )
+            self._config.kafka, key, changes, why=why, canary=canary, canary_key=canary_key,
+            env=self._env,
+        )  # fmt: skip
         state.labels = history.labels
         return history
 

@@ -13,7 +13,8 @@ records) and OpenInference (``openinference.span.kind``, ``llm.input_messages.N.
 |                    | ``gen_ai.agent.name``, ``service.name``) on a span (root first, then by    |
 |                    | start), else on a span's resource                                          |
 | ``prompt_version`` | ``ingest.version_attribute`` (``combee.prompt.version``), root first;      |
-|                    | absent or negative (a fallback prompt): 0                                  |
+|                    | negative (a fallback prompt): 0; absent: None (no live sample)             |
+| ``session``        | ``ingest.session_attribute`` (``combee.session.id``), root first           |
 | ``trace_id``       | the trace id, 32 lowercase hex characters                                  |
 | ``task``           | the latest user message of the earliest span with input messages           |
 |                    | (``gen_ai.input.messages``, ``gen_ai.prompt.N``, ``gen_ai.user.message``); |
@@ -70,7 +71,7 @@ import msgspec
 from combee_stream.config import IngestConfig
 from combee_stream.errors import DecodeError
 from combee_stream.formats.spans import EVALUATION_EVENT, LogEvent, Span, SpanEvent
-from combee_stream.schemas import Feedback, Key, Step, Trace, decode, encode
+from combee_stream.schemas import Feedback, Key, Step, Trace, check_id, decode, encode
 
 NOT_CAPTURED_TASK: Final = (
     "(the agent's input was not captured: enable message content capture in its instrumentation)"
@@ -177,6 +178,7 @@ def trace_from_spans(
             output=_output(views),
             steps=_steps(views, settings.max_step_chars),
             prompt_version=_version(ordered, settings.version_attribute),
+            session=_session(ordered, settings.session_attribute),
             bullet_ids=_bullet_ids(ordered),
             started_at=_time(root.start_ns),
             finished_at=_time(root.end_ns),
@@ -280,15 +282,28 @@ def _checked_key(ordered: Sequence[Span], settings: IngestConfig) -> str:
         raise DecodeError(f"prompt key {key[:80]!r} is not a valid key: {exc}") from None
 
 
-def _version(ordered: Sequence[Span], attribute: str) -> int:
+def _version(ordered: Sequence[Span], attribute: str) -> int | None:
     value = _first(ordered, attribute)
     if value is None:
-        return 0
+        return None  # not said: unknown, not version 0
     if isinstance(value, str) and value.strip().lstrip("-").isdigit():
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool):
         raise DecodeError(f"{attribute} is {value!r}, not a version number")
     return max(value, 0)  # a fallback prompt is version -1: no learned version
+
+
+def _session(ordered: Sequence[Span], attribute: str) -> str | None:
+    """The session id, or None when absent or not a valid id: the trace is still learned, it
+    is only no live sample."""
+    value = _first_str(ordered, attribute)
+    if value is None or len(value) > 200:
+        return None
+    try:
+        check_id(value, "session")
+    except ValueError:
+        return None
+    return value
 
 
 def _bullet_ids(ordered: Sequence[Span]) -> list[str]:

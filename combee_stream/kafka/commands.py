@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from combee_stream.config import Config
+from combee_stream.config import Config, secret
 from combee_stream.errors import DecodeError, UserError
 from combee_stream.formats import get_format
 from combee_stream.kafka.dlq import replay_dead_letters
@@ -52,7 +52,7 @@ def register(sub: Any) -> None:
         "--session",
         default=None,
         help="an agent's session or agent id: with --label production, a session in a live "
-        "canary's share is served the candidate",
+        "canary's share (keyed by the secret in gate.canary_secret_env) is served the candidate",
     )
     subscribe.set_defaults(handler=_subscribe)
 
@@ -126,8 +126,9 @@ async def _subscribe(args: argparse.Namespace, config: Config) -> int:
     keys = set(args.key) if args.key else None
     out = sys.stdout
     async with PromptSubscriber(
-        config.kafka, keys=keys, label=args.label, version=args.version, session=args.session
-    ) as prompts:
+        config.kafka, keys=keys, label=args.label, version=args.version, session=args.session,
+        canary_secret=secret(config.gate.canary_secret_env),
+    ) as prompts:  # fmt: skip
         served = (prompts.latest(k) for k in sorted(prompts.snapshot()))
         for update in (u for u in served if u is not None):
             out.write(encode(update).decode() + "\n")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import hmac
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -27,7 +28,7 @@ import msgspec
 from aiokafka import AIOKafkaProducer
 from aiokafka.partitioner import murmur2
 
-from combee_stream.config import KafkaConfig
+from combee_stream.config import CANARY_SECRET_ENV, KafkaConfig
 from combee_stream.errors import DecodeError, UserError
 from combee_stream.kafka.client import start_client, stop_quietly
 from combee_stream.kafka.reader import read_to_end
@@ -77,24 +78,53 @@ class KeyHistory(msgspec.Struct, kw_only=True):
         return resolve(self.labels, label, self.newest)
 
 
-def in_canary(session: str, fraction: float) -> bool:
-    """Whether the agent session ``session`` is in the canary share ``fraction``: a hash of the
-    id, so a session keeps its side for as long as the canary runs."""
-    digest = hashlib.sha256(f"canary:{session}".encode()).digest()[:8]
+def canary_key_id(secret: str) -> str:
+    """What the labels record of the canary secret: enough to tell two secrets apart, nothing
+    to recover one from."""
+    return hmac.new(secret.encode(), b"combee canary key id", hashlib.sha256).hexdigest()[:16]
+
+
+def in_canary(session: str, fraction: float, *, key: str = "", secret: str | None = None) -> bool:
+    """Whether the agent session ``session`` is in the canary share ``fraction`` of prompt key
+    ``key``: a hash of the id, so a session keeps its side for as long as the canary runs.
+    With ``secret`` the hash is keyed (HMAC-SHA256 of key and session), so that whoever lacks
+    the secret cannot pick a session in the arm of their choice; without it, the public hash
+    of older engines."""
+    if secret is None:
+        digest = hashlib.sha256(f"canary:{session}".encode()).digest()[:8]
+    else:
+        message = f"canary:{key}\x00{session}".encode()
+        digest = hmac.new(secret.encode(), message, hashlib.sha256).digest()[:8]
     return int.from_bytes(digest, "big") < fraction * 2**64
 
 
+def canary_arm(labels: Labels, session: str, secret: str | None) -> bool | None:
+    """Whether ``session`` is in the running canary's share (True: served the candidate), by
+    the split the labels record; None when that split is keyed with a secret other than
+    ``secret`` (or ``secret`` is None): the arm cannot be told."""
+    if not labels.canary_key:
+        return in_canary(session, labels.canary)
+    if secret is None or canary_key_id(secret) != labels.canary_key:
+        return None
+    return in_canary(session, labels.canary, key=labels.key, secret=secret)
+
+
 def resolve(
-    labels: Labels, label: str, newest: int | None, session: str | None = None
+    labels: Labels,
+    label: str,
+    newest: int | None,
+    session: str | None = None,
+    secret: str | None = None,
 ) -> int | None:
     """The version ``label`` points at; an agent ``session`` in the canary share asking for
-    production gets the candidate while a canary runs."""
+    production gets the candidate while a canary runs (a session whose arm cannot be told,
+    not holding the canary's secret, gets production)."""
     if label == LATEST:
         return newest
     if label == PRODUCTION:
         candidate = labels.labels.get(CANDIDATE)
         if session and labels.canary > 0 and candidate is not None:
-            if in_canary(session, labels.canary):
+            if canary_arm(labels, session, secret):
                 return candidate
         return newest if labels.production is None else labels.production
     return labels.labels.get(label)
@@ -222,13 +252,15 @@ async def engine_move(
     *,
     why: str,
     canary: float | None = None,
+    canary_key: str | None = None,
     by: str = "combee-stream engine",
     env: Mapping[str, str] | None = None,
 ) -> KeyHistory:
     """The engine's own moves (the live canary, automatic rollback), read fresh and written in
     one transaction: each label of ``changes`` to its version (production: pinned there, 0 for
-    "nothing yet"; another label: None removes it), the canary share if given, one audit record
-    per label that moved. Returns the history as it is afterwards."""
+    "nothing yet"; another label: None removes it), the canary share and the id of its split's
+    key if given, one audit record per label that moved. Returns the history as it is
+    afterwards."""
     history = await read_history(cfg, key, env)
     labels, moves = history.labels, []
     for label, to in changes.items():
@@ -245,6 +277,8 @@ async def engine_move(
         moves.append(move)
     if canary is not None and canary != labels.canary:
         labels = msgspec.structs.replace(labels, canary=canary)
+    if canary_key is not None and canary_key != labels.canary_key:
+        labels = msgspec.structs.replace(labels, canary_key=canary_key)
     if labels != history.labels:
         await _write(cfg, key, labels, moves, env)
         history.labels = labels
@@ -319,10 +353,13 @@ async def _send(
 
 
 __all__ = [
+    "CANARY_SECRET_ENV",
     "CANDIDATE",
     "LATEST",
     "PRODUCTION",
     "KeyHistory",
+    "canary_arm",
+    "canary_key_id",
     "engine_move",
     "history_records",
     "in_canary",

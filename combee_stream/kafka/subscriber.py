@@ -20,7 +20,10 @@ the version the label points at, read from the history topic when it is not the 
 iterating yields an update whenever the version served changes (a new version while production
 follows latest, a promotion, a rollback). Without either it is the newest version (the engine's
 restore and ``inspect`` read it so). Given a ``session`` id, a subscriber asking for production
-is served the candidate while a live canary runs and the session hashes into its share.
+is served the candidate while a live canary runs and the session hashes into its share: a hash
+keyed with the canary secret (``canary_secret``, default the environment's
+``COMBEE_CANARY_SECRET``) when the engine's labels say the split is keyed. A subscriber that does
+not hold the same secret cannot tell its arm and is served production (with a warning).
 """
 
 from __future__ import annotations
@@ -31,10 +34,17 @@ from typing import Any, Self
 
 from aiokafka import TopicPartition
 
-from combee_stream.config import KafkaConfig
+from combee_stream.config import CANARY_SECRET_ENV, KafkaConfig, secret
 from combee_stream.errors import DecodeError
 from combee_stream.kafka.client import partitions_of, start_client
-from combee_stream.kafka.history import KeyHistory, parse, partition_of, resolve
+from combee_stream.kafka.history import (
+    CANDIDATE,
+    KeyHistory,
+    canary_arm,
+    parse,
+    partition_of,
+    resolve,
+)
 from combee_stream.kafka.reader import (
     assign_from_start,
     content_digest,
@@ -60,6 +70,7 @@ class PromptSubscriber:
         label: str | None = None,
         version: int | None = None,
         session: str | None = None,
+        canary_secret: str | None = None,
     ) -> None:
         if label is not None and version is not None:
             raise ValueError("ask for a label or pin a version, not both")
@@ -67,6 +78,8 @@ class PromptSubscriber:
         # The agent's session (or agent) id: with it, asking for production during a live
         # canary serves the candidate to the sessions in the canary share (sticky by hash).
         self._session = session
+        self._canary_secret = canary_secret or secret(CANARY_SECRET_ENV, env)
+        self._unkeyed_warned: set[str] = set()  # keys whose keyed split this one cannot tell
         self._label = label
         self._version = version
         self._history: dict[str, KeyHistory] = {}
@@ -200,12 +213,29 @@ class PromptSubscriber:
                 [*(history.versions if history else ()), *([newest.version] if newest else [])],
                 default=None,
             )
-            target = resolve(labels, self._label, top, self._session)
+            target = resolve(labels, self._label, top, self._session, self._canary_secret)
+            self._warn_unkeyed(labels)
         if target is None:
             return None
         if newest is not None and newest.version == target:
             return newest
         return history.versions.get(target) if history is not None else None
+
+    def _warn_unkeyed(self, labels: Labels) -> None:
+        if (
+            self._session
+            and labels.canary > 0
+            and CANDIDATE in labels.labels
+            and labels.key not in self._unkeyed_warned
+            and canary_arm(labels, self._session, self._canary_secret) is None
+        ):
+            self._unkeyed_warned.add(labels.key)
+            log.warning(
+                "the live canary's split is keyed with a secret this subscriber does not hold: "
+                f"serving production (set {CANARY_SECRET_ENV} as the engine's "
+                "gate.canary_secret_env)",
+                key=labels.key,
+            )
 
     def labels(self, key: str) -> Labels:
         """The key's labels as last read (only with ``label`` or ``version``)."""

@@ -282,7 +282,7 @@ async def run_learn(
     progress = Progress(sum(len(v) for v in by_key.values()), stderr)
     sink = FileSink(out, report, progress, history.playbooks, learning.max_attempts)
     try:
-        learner = Learner.from_config(config, client, gate=gate)
+        learner = Learner.from_config(config, client, gate=gate, env=env)
         settings = offline_settings(config)
         async with anyio.create_task_group() as tg:
             for key, items in by_key.items():
