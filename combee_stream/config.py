@@ -182,9 +182,17 @@ class LearningConfig(_Section):
     max_bullet_chars: Positive = 2000
     # Patterns (Python regular expressions, matched case-insensitively) that no bullet may
     # contain: a proposed ADD or UPDATE that matches one is refused (skipped as "policy").
-    # Traces are untrusted and bullets reach every agent of the key. Off by default; the
-    # README gives a starting set (links, e-mail addresses, instructions to ignore rules).
+    # Traces are untrusted (their task text comes from users) and bullets reach every agent of
+    # the key, so the default policy (core/hygiene.py DEFAULT_POLICY: links, e-mail addresses,
+    # instructions aimed at the model, system or role markers, card numbers, secret-like
+    # strings) is on; these patterns are added to it, and default_content_policy = false
+    # leaves only them (for a key whose lessons must quote links, say).
     content_policy: list[str] = []
+    default_content_policy: bool = True
+    # Bullets one trace's reflection may tag helpful or harmful (the first ones it cites): the
+    # agent of ACE's examples uses one to three, and a trace citing every bullet must not move
+    # every counter (five such traces made every bullet of a playbook harmful=5).
+    max_tags_per_trace: Positive = 3
     # Tries of a trace's reflection, and of a window's curation, before their traces are parked
     # in the DLQ (each try is itself retried by the LLM client, llm.max_attempts). Both drivers.
     max_attempts: Positive = 3

@@ -16,10 +16,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import uuid
+from collections.abc import Iterator
 from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -34,6 +37,7 @@ from combee_stream.kafka.dlq import H_ERROR
 from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.subscriber import PromptSubscriber
 from combee_stream.kafka.topics import ensure_topics
+from combee_stream.logs import configure_logging
 from combee_stream.prompts_cli import seed_prompt
 from combee_stream.schemas import PromptUpdate
 from combee_stream.sim import LatencyModel, SimSettings, sim_server, simulated_llm
@@ -62,11 +66,28 @@ def say(text: str) -> None:
 
 
 async def _demo(args: argparse.Namespace, config: Config) -> int:
-    if args.sim:
-        return await _sim_demo(args, config)
-    from combee_stream.live_demo import run_live_demo
+    with engine_logs(config):
+        if args.sim:
+            return await _sim_demo(args, config)
+        from combee_stream.live_demo import run_live_demo
 
-    return await run_live_demo(args, config)
+        return await run_live_demo(args, config)
+
+
+@contextlib.contextmanager
+def engine_logs(config: Config) -> Iterator[Path]:
+    """The engine's (and the clients') log lines into a file the demo names, not between its
+    own lines; the process's logging is put back afterwards."""
+    folder = Path(config.broker.state_dir).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "demo.log"
+    with path.open("w") as out:
+        configure_logging(config.log.level, to=out)
+        say(f"(engine logs: {path})")
+        try:
+            yield path
+        finally:
+            configure_logging(config.log.level, config.log.format)
 
 
 async def _fresh_kafka(config: Config) -> Config:

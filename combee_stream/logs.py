@@ -6,16 +6,21 @@ import logging
 import sys
 import time
 from collections.abc import Callable, MutableMapping
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TextIO
 
 import structlog
 
 
 def configure_logging(
-    level: str = "info", fmt: Literal["auto", "json", "console"] = "auto"
+    level: str = "info",
+    fmt: Literal["auto", "json", "console"] = "auto",
+    *,
+    to: TextIO | None = None,
 ) -> None:
-    """Configure structlog and the stdlib root logger (aiokafka logs through it) once."""
-    as_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
+    """Configure structlog and the stdlib root logger (aiokafka logs through it). ``to``: a
+    file that takes every line instead of stderr (JSON), e.g. a demo that prints its own
+    lines and names the file the engine's logs went to."""
+    as_json = to is not None or fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
@@ -35,10 +40,12 @@ def configure_logging(
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=_stderr_logger,
+        logger_factory=_stderr_logger if to is None else structlog.PrintLoggerFactory(to),
         cache_logger_on_first_use=False,
     )
-    handler = _StderrHandler()
+    handler: logging.StreamHandler = (  # type: ignore[type-arg]
+        _StderrHandler() if to is None else logging.StreamHandler(to)
+    )
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             processors=[

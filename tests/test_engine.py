@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 
@@ -102,6 +103,13 @@ async def test_metrics_health_and_inspect(config: Config, unique: str) -> None:
     assert "combee_traces_in_total{partition=" in metrics
     assert 'combee_prompt_version{key="sim-k0"} 4.0' in metrics
     assert 'combee_llm_calls{role="reflector"} 20.0' in metrics
+    # The simulator serves each prompt's prefix shared with a recent one from its cache: the
+    # reflector prompts share their instructions, so part of every prompt after the first.
+    cached = re.search(r'combee_llm_tokens\{role="reflector",direction="cached"\} (\S+)', metrics)
+    sent = re.search(r'combee_llm_tokens\{role="reflector",direction="in"\} (\S+)', metrics)
+    assert cached is not None and sent is not None
+    assert 0 < float(cached.group(1)) < float(sent.group(1))
+    assert 'combee_llm_bad_replies{role="reflector",kind="truncated"} 0.0' in metrics
     assert "combee_trace_to_publish_seconds_count 20.0" in metrics
 
     env = {**os.environ, **env_for(cfg)}

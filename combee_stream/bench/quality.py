@@ -30,6 +30,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import os
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -292,6 +294,7 @@ async def run_quality(config: Config, settings: QualitySettings, out: Path) -> Q
                 strategy=strategy,
                 batch_size=str(s.batch_size),
                 resume=await anyio.Path(folder / "history.jsonl").is_file(),
+                env={**os.environ, config.gate.holdout_secret_env: _holdout_secret(out)},
             )
         store = OutputDir(folder)
         history = store.load_history()
@@ -318,6 +321,17 @@ async def run_quality(config: Config, settings: QualitySettings, out: Path) -> Q
         targets=_targets(rows, combee_vs_naive),
         notes=_notes(s, capacity),
     )
+
+
+def _holdout_secret(out: Path) -> str:
+    """The replay gate's held-out key for this work folder: generated on the first run and
+    kept beside the traces, so a resumed run holds out the same tasks (and naive and combee
+    are gated on the same ones)."""
+    path = out / "holdout.secret"
+    if not path.is_file():
+        path.write_text(secrets.token_hex(32))
+        path.chmod(0o600)
+    return path.read_text().strip()
 
 
 def _learned(

@@ -17,8 +17,15 @@ is counted by reason in the version's stats (``UpdateStats.skipped``):
   instance, not a lesson.
 - ``too_long``: longer than ``learning.max_bullet_chars`` (a lesson is a rule, not a document:
   one trace must not fill the prompt of every agent of its key).
-- ``policy``: it matches a pattern of ``learning.content_policy`` (links, e-mail addresses,
-  instructions to ignore rules...: a trace is untrusted, a bullet reaches every agent).
+- ``policy``: it matches a pattern of the content policy: ``DEFAULT_POLICY`` (on unless
+  ``learning.default_content_policy`` is false: links, e-mail addresses, instructions aimed
+  at the model, system or role markers, card numbers, secret-like strings) and the patterns of
+  ``learning.content_policy``. A trace is untrusted (its task text comes from users) and a
+  bullet reaches every agent of its key.
+- ``quotes_trace``: it reproduces a span a trace of the window only quoted (in quotation
+  marks or backticks: a customer record, an instruction pasted into the feedback) of
+  ``QUOTED_WORDS`` words or more, or one carrying digits: a lesson states a rule in its own
+  words, it does not forward what a trace carried.
 - ``no_lesson``: fewer than ``MIN_WORDS`` content words, or only words of generic advice
   (``GENERIC``: "always double-check the formula and the conventions" teaches nothing a model
   did not already try to do).
@@ -71,6 +78,26 @@ GENERIC: Final = frozenset(
     "mistakes avoid error errors convention conventions units data information given problem "
     "solution method methods values value all any each every before after carefully".split()
 )
+# The default content policy: what no bullet may carry, whatever the deployment adds. Each is
+# something an attacker with write access to the traces topic would put in a bullet, and none
+# is part of a lesson an agent needs.
+DEFAULT_POLICY: Final = (
+    r"\bhttps?://|\bwww\.\w|\b[\w-]+\.(?:com|net|org|io|example|ru|cn|xyz)/",  # links
+    r"\b[\w.+-]+@[\w-]+\.[\w.-]+\b",  # e-mail addresses
+    # Instructions aimed at the model rather than the task.
+    r"\b(?:ignore|disregard|forget|override)\b.{0,30}\b(?:previous|prior|above|earlier|all|"
+    r"other|system)\b.{0,20}\b(?:instructions?|rules?|prompts?|guidelines?|messages?)\b",
+    r"\byou are now\b|\bnew instructions?\s*:|\bjailbreak\b|\bdeveloper mode\b",
+    # System or role markers of chat templates and transcripts.
+    r"<\|?(?:im_start|im_end|system|endoftext|eot_id|start_header_id)\|?>|\[/?INST\]|<</?SYS>>",
+    r"(?:^|\n|\.\s)\s*(?:system|assistant|developer)\s*:",
+    r"\b(?:\d[ -]?){13,19}\b",  # card numbers (13-19 digits, spaces or dashes between)
+    # Secret-like strings: API keys, tokens, private keys, passwords.
+    r"\b(?:sk|pk|rk)-[A-Za-z0-9_-]{16,}|\bAKIA[0-9A-Z]{16}\b|\bgh[pousr]_[A-Za-z0-9]{20,}",
+    r"-----BEGIN [A-Z ]*PRIVATE KEY-----|\b(?:api[_-]?key|password|passwd|secret|token)\s*[:=]",
+)
+QUOTED_WORDS: Final = 6
+_QUOTED = re.compile(r'"([^"\n]{6,400})"|“([^”\n]{6,400})”|`([^`\n]{6,400})`')
 _BIG_NUMBER = re.compile(r"\d[\d,]{3,}(?:\.\d+)?")
 _ANY_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 # A rendered bullet's id ("strat-00008]") or counters ("helpful=0"): playbook markup.
@@ -123,6 +150,26 @@ def contested(playbook: Playbook, delta: Delta) -> set[str]:
     }
 
 
+def quoted_spans(*texts: str) -> list[str]:
+    """The normalised spans ``texts`` quote that a bullet may not reproduce (see the module):
+    of ``QUOTED_WORDS`` words or more, or carrying a digit."""
+    spans: list[str] = []
+    for text in texts:
+        for match in _QUOTED.finditer(text):
+            span = next(group for group in match.groups() if group)
+            norm = normalize(span)
+            if len(norm.split()) >= QUOTED_WORDS or (
+                any(c.isdigit() for c in span) and len(norm) >= 6
+            ):
+                spans.append(norm)
+    return list(dict.fromkeys(spans))
+
+
+def quotes(text: str, spans: Sequence[str]) -> bool:
+    norm = normalize(text)
+    return any(span in norm for span in spans)
+
+
 def compile_policy(patterns: Sequence[str]) -> list[re.Pattern[str]]:
     return [re.compile(p, re.IGNORECASE) for p in patterns]
 
@@ -132,7 +179,7 @@ def violates(text: str, policy: Sequence[re.Pattern[str]]) -> bool:
 
 
 def _text_problem(
-    text: str, max_chars: int, policy: Sequence[re.Pattern[str]]
+    text: str, max_chars: int, policy: Sequence[re.Pattern[str]], quoted: Sequence[str]
 ) -> SkipReason | None:
     if len(text) > max_chars:
         return "too_long"
@@ -140,6 +187,8 @@ def _text_problem(
         return "policy"
     if carries_markup(text):
         return "bullet_markup"
+    if quotes(text, quoted):
+        return "quotes_trace"
     return None
 
 
@@ -162,6 +211,7 @@ def review_adds(
     max_chars: int = 2000,
     policy: Sequence[re.Pattern[str]] = (),
     own_tasks: Mapping[str, Sequence[str]] | None = None,
+    quoted: Sequence[str] = (),
 ) -> dict[int, SkipReason]:
     """Index (among the delta's ADDs) -> why it is rejected, for the ADDs that are.
     ``own_tasks``: normalised content -> the tasks of the curator groups that proposed it;
@@ -172,7 +222,7 @@ def review_adds(
     kept = [frozenset(content_words(text)) for text in existing]
     rejected: dict[int, SkipReason] = {}
     for i, add in enumerate(adds):
-        problem = _text_problem(add.content, max_chars, policy)
+        problem = _text_problem(add.content, max_chars, policy, quoted)
         if problem is not None:
             rejected[i] = problem
             continue
@@ -202,6 +252,7 @@ def review_edits(
     *,
     max_chars: int = 2000,
     policy: Sequence[re.Pattern[str]] = (),
+    quoted: Sequence[str] = (),
 ) -> list[SkippedOp]:
     """The delta's UPDATEs and REMOVEs that are refused, with why (see the module)."""
     against = contested(playbook, delta)
@@ -209,7 +260,7 @@ def review_edits(
     refused: list[SkippedOp] = []
     for op in delta.operations:
         if isinstance(op, UpdateOp):
-            problem = _text_problem(op.content, max_chars, policy)
+            problem = _text_problem(op.content, max_chars, policy, quoted)
             target = by_id.get(op.bullet_id)
             if problem is not None:
                 refused.append(SkippedOp(op=op, reason=problem))
@@ -225,10 +276,12 @@ def review_edits(
 
 
 __all__ = [
+    "DEFAULT_POLICY",
     "GENERIC",
     "KEPT_MEANING",
     "MIN_WORDS",
     "NEAR_DUPLICATE_WORDS",
+    "QUOTED_WORDS",
     "RESTATED",
     "carries_markup",
     "compile_policy",
@@ -237,6 +290,8 @@ __all__ = [
     "has_formula",
     "keeps_meaning",
     "near_duplicates",
+    "quoted_spans",
+    "quotes",
     "restates",
     "review_adds",
     "review_edits",

@@ -68,7 +68,14 @@ from combee_stream.config import Config, LearningConfig, required_secret
 from combee_stream.core.delta import empty, merge, rebase
 from combee_stream.core.gate import AcceptAll, Candidate, PublishGate, Verdict, gate_from_config
 from combee_stream.core.holdout import HoldoutPolicy
-from combee_stream.core.hygiene import compile_policy, review_adds, review_edits, violates
+from combee_stream.core.hygiene import (
+    DEFAULT_POLICY,
+    compile_policy,
+    quoted_spans,
+    review_adds,
+    review_edits,
+    violates,
+)
 from combee_stream.core.llm import ChatMessage, Completion, LLMCallError, LLMClient, Role
 from combee_stream.core.outputs import (
     ConsolidatorOutput,
@@ -191,6 +198,7 @@ class Proposal(Struct):
     reflections: list[Reflection]
     stats: WindowStats
     tasks: list[str] = []  # the window's task texts (the bullet review checks restatements)
+    quoted: list[str] = []  # spans the window's traces quoted (no bullet may reproduce them)
     # Normalised ADD content -> the tasks of the curator groups that proposed it (its sources).
     add_tasks: dict[str, list[str]] = {}
     skipped: list[SkippedOp] = []  # operations the reduce refused (REMOVEs of a minority)
@@ -260,7 +268,8 @@ class Learner:
         self.holdout = holdout
         self.max_update_bytes = max_update_bytes  # what a version may take (None: unbounded)
         self._config = learning
-        self._policy = compile_policy(learning.content_policy)
+        defaults = DEFAULT_POLICY if learning.default_content_policy else ()
+        self._policy = compile_policy([*defaults, *learning.content_policy])
         self._embed = embed
         self._threshold = dedup_threshold
         self._gate: PublishGate = gate or AcceptAll()
@@ -372,7 +381,7 @@ class Learner:
             return FailedTrace(source=source, reason=str(exc))
         # Only the bullets the agent says it used can be credited or blamed: a reflector that
         # tags others (real models do) would pile counts on bullets no agent ever read.
-        cited = set(trace.bullet_ids)
+        cited = set(list(dict.fromkeys(trace.bullet_ids))[: self._config.max_tags_per_trace])
         tags = [t for t in dict.fromkeys(out.bullet_tags) if t.bullet_id in cited]
         stats.uncited_tags += len(out.bullet_tags) - len(tags)
         reflection = Reflection(
@@ -384,7 +393,11 @@ class Learner:
             key_insight=out.key_insight,
             bullet_tags=tags,
         )
-        return ReflectionRecord(reflection=reflection, task=trace.task)
+        return ReflectionRecord(
+            reflection=reflection,
+            task=trace.task,
+            quoted=tuple(quoted_spans(trace.task, trace.feedback.text or "")),
+        )
 
     def new_stats(self, traces: int = 0) -> WindowStats:
         return WindowStats(strategy=self.spec.name, traces=traces)
@@ -482,6 +495,7 @@ class Learner:
             tree_delta = msgspec.structs.replace(tree_delta, operations=kept_ops)
         return Proposal(
             key, snapshot.version, merge(base, tree_delta), failed, done, stats, tasks=tasks,
+            quoted=list(dict.fromkeys(q for rec in records for q in rec.quoted)),
             add_tasks={k: list(dict.fromkeys(v)) for k, v in add_tasks.items()},
             skipped=[SkippedOp(op=op, reason="minority_remove") for op in minority],
         )  # fmt: skip
@@ -536,7 +550,7 @@ class Learner:
         async def reviewed(base: Playbook, budget: int | None = -1) -> ApplyResult:
             return await self._apply(
                 base, delta, proposal.tasks, budget=budget, own_tasks=proposal.add_tasks,
-                refused=proposal.skipped,
+                refused=proposal.skipped, quoted=proposal.quoted,
             )  # fmt: skip
 
         result = await reviewed(onto)
@@ -775,14 +789,17 @@ class Learner:
         budget: int | None = -1,
         own_tasks: Mapping[str, Sequence[str]] | None = None,
         refused: Sequence[SkippedOp] = (),
+        quoted: Sequence[str] = (),
     ) -> ApplyResult:
         """The review (:mod:`~combee_stream.core.hygiene`: ADDs, UPDATEs and REMOVEs), then the
         delta applied within ``budget`` (default: the token budget; None: no limit)."""
         limit, policy = self._config.max_bullet_chars, self._policy
         rejected = review_adds(
-            snapshot, delta, tasks, max_chars=limit, policy=policy, own_tasks=own_tasks
-        )
-        refused = [*refused, *review_edits(snapshot, delta, max_chars=limit, policy=policy)]
+            snapshot, delta, tasks, max_chars=limit, policy=policy, own_tasks=own_tasks,
+            quoted=quoted,
+        )  # fmt: skip
+        edits = review_edits(snapshot, delta, max_chars=limit, policy=policy, quoted=quoted)
+        refused = [*refused, *edits]
         if refused:
             drop = [r.op for r in refused]
             kept = [op for op in delta.operations if op not in drop]

@@ -77,6 +77,7 @@ class ReflectionRecord(Struct, frozen=True):
 
     reflection: Reflection
     task: str = ""
+    quoted: tuple[str, ...] = ()  # spans its trace quoted (core.hygiene.quoted_spans)
 
 
 @dataclass(frozen=True, slots=True)

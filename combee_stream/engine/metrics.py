@@ -115,7 +115,18 @@ class EngineMetrics:
         )
         self.llm_calls = Gauge("combee_llm_calls", "LLM calls", ["role"], registry=r)
         self.llm_tokens = Gauge(
-            "combee_llm_tokens", "LLM tokens", ["role", "direction"], registry=r
+            "combee_llm_tokens",
+            "LLM tokens, by direction: in, out, cached (prompt tokens the server served from "
+            "its prompt cache, a subset of in)",
+            ["role", "direction"],
+            registry=r,
+        )
+        self.llm_bad_replies = Gauge(
+            "combee_llm_bad_replies",
+            "LLM replies that could not be used, by kind: invalid (failed the schema), "
+            "truncated (cut at max_tokens)",
+            ["role", "kind"],
+            registry=r,
         )
         self.llm_cost = Gauge("combee_llm_cost_usd", "LLM cost", ["role"], registry=r)
         self.llm_latency = Gauge(

@@ -387,6 +387,9 @@ class Publisher:
             m.llm_calls.labels(role).set(usage.calls)
             m.llm_tokens.labels(role, "in").set(usage.tokens_in)
             m.llm_tokens.labels(role, "out").set(usage.tokens_out)
+            m.llm_tokens.labels(role, "cached").set(usage.tokens_cached)
+            m.llm_bad_replies.labels(role, "invalid").set(usage.invalid_replies)
+            m.llm_bad_replies.labels(role, "truncated").set(usage.truncated_replies)
             m.llm_cost.labels(role).set(usage.cost_usd)
             m.llm_latency.labels(role).set(usage.latency_s)
         log.info(
