@@ -125,3 +125,66 @@ async def test_a_twice_keyed_record_is_dead_lettered_and_a_huge_task_reaches_the
     learned = {t for u in updates for t in u.stats.trace_ids}
     assert learned == {"t-long", "t-fine"}
     assert reflector["tokens_in"] < estimate_tokens(LONG_TASK), reflector
+
+
+# --------------------------------------------------------------------------- dlq replay
+
+
+@pytest.mark.anyio
+async def test_a_dead_letter_is_replayed_once_whatever_the_selections(
+    config: Config, unique: str
+) -> None:
+    """Letters of two stages and two keys, replayed by overlapping selections: by stage, then
+    both stages, then one key, then everything again. Each letter reaches the traces topic once
+    (before, each selection had its own position, so every one re-sent what the others had)."""
+    cfg = engine_config(config, unique, "http://127.0.0.1:9")
+    await ensure_topics(cfg.kafka)
+    letters = [
+        DeadLetter(
+            reason="parked",
+            stage=stage,
+            topic=cfg.kafka.traces_topic,
+            partition=0,
+            offset=n,
+            key=key.encode(),
+            value=encode(lesson_trace(key, f"{stage}-{key}-{n}", f"l{n}")),
+        )
+        for n, (stage, key) in enumerate(
+            [(s, k) for s in ("reflect", "curate") for k in ("ka", "kb") for _ in range(3)]
+        )
+    ]
+    producer = make_producer(cfg.kafka)
+    await producer.start()
+    try:
+        for letter in letters:
+            await producer.send_and_wait(
+                cfg.kafka.dlq_topic, value=letter.value, key=letter.key, headers=letter.headers()
+            )
+    finally:
+        await producer.stop()
+    kafka = cfg.kafka
+    counts = [
+        await replay_dead_letters(kafka, stages=("reflect",)),
+        await replay_dead_letters(kafka, stages=("reflect", "curate")),
+        await replay_dead_letters(kafka, stages=("reflect", "curate"), key="ka"),
+        await replay_dead_letters(kafka, stages=("curate",), key="kb"),
+        await replay_dead_letters(kafka, stages=("reflect", "curate", "decode", "size")),
+    ]
+    assert counts == [6, 6, 0, 0, 0]
+    sent = Counter(
+        decode(r.value, Trace).trace_id for r in await read_to_end(kafka, kafka.traces_topic)
+    )
+    assert sent == Counter(
+        decode(letter.value, Trace).trace_id for letter in letters if letter.value
+    )
+    # A letter parked after the replays is a new one: the next replay sends it.
+    producer = make_producer(cfg.kafka)
+    await producer.start()
+    try:
+        again = letters[0]
+        await producer.send_and_wait(
+            kafka.dlq_topic, value=again.value, key=again.key, headers=again.headers()
+        )
+    finally:
+        await producer.stop()
+    assert await replay_dead_letters(kafka, stages=("reflect", "curate"), key="ka") == 1
