@@ -180,6 +180,14 @@ class LearningConfig(_Section):
     # A proposed bullet longer than this is refused (skipped as too_long): a lesson is a rule,
     # not a document, and one trace must not fill the prompt of every agent of its key.
     max_bullet_chars: Positive = 2000
+    # A trace whose task is longer than this is cut to it, the cut said at its end ("cut"),
+    # or dead-lettered ("dead_letter"): in the traces topic, the ingest stage and offline
+    # files alike. Traces are untrusted and the task goes whole into the reflector's prompt:
+    # 900,000 characters are about 225k tokens, past any model's context, and paid on every
+    # retry. 20,000 characters (about 5k tokens) hold any real task statement with its
+    # context; a longer input is a document, not a task.
+    max_task_chars: Positive = 20_000
+    long_task: Literal["cut", "dead_letter"] = "cut"
     # Patterns (Python regular expressions, matched case-insensitively) that no bullet may
     # contain: a proposed ADD or UPDATE that matches one is refused (skipped as "policy").
     # Traces are untrusted (their task text comes from users) and bullets reach every agent of
@@ -262,6 +270,23 @@ class IngestConfig(_Section):
     max_open_traces: Positive = 10_000
     # A trace with more spans than this is dead-lettered (a span flood bounds no memory else).
     max_spans_per_trace: Positive = 2_000
+    # An *orphan* is an open trace with no ended root span yet: child spans whose root has not
+    # come (or never will: a flood of spans of traces of their own), or a root sent unended.
+    # Only a timeout frees one, so orphans are what a flood fills the stage with; when a bound
+    # below is hit the stalest orphan (longest without a new span) is shed first: dead-lettered
+    # as orphan_shed with the bound in its reason (its root, if it comes, is late_span).
+    # Orphans held at once: half of max_open_traces, so orphans alone never pause the stage.
+    max_orphan_traces: Positive = 5_000
+    # Open traces (with spans) of one service (its first span's resource service.name) held at
+    # once: past it the service's stalest orphan is shed, else its newest trace is refused
+    # (service_flood). A quarter of max_open_traces and half of max_orphan_traces: one flooding
+    # service sheds its own orphans and never reaches the bounds the others share.
+    max_open_traces_per_service: Positive = 2_500
+    # An orphan with no new span for this long is dead-lettered (no_root, or unended_root):
+    # shorter than trace_timeout_s, since a flood's orphans never get another span, while a
+    # live run sends a span at each step (a run's exporter sends every few seconds). A run with
+    # one step longer than this (a reasoning model's minutes-long call) needs it raised.
+    orphan_timeout_s: PositiveFloat = 60.0
     # How long a complete trace waits for feedback that arrives later (every item until then
     # is combined; a FeedbackRecord is final: written at once). 0: written once complete.
     feedback_wait_s: Annotated[float, Meta(ge=0)] = 0.0

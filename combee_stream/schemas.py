@@ -9,6 +9,7 @@ only: a new field always has a default, so an older record still decodes. Decodi
 from __future__ import annotations
 
 import datetime as dt
+import json
 from typing import Annotated, Any, ClassVar, Final, Literal, TypeVar
 
 import msgspec
@@ -401,14 +402,55 @@ def encode(record: Any) -> bytes:
     return _encoder.encode(record)
 
 
-def decode(data: bytes | str, type_: type[T]) -> T:
-    """Strictly decode one JSON record; raise ``DecodeError`` with a field-naming reason."""
+def decode(data: bytes | str, type_: type[T], *, unique_keys: bool = False) -> T:
+    """Strictly decode one JSON record; raise ``DecodeError`` with a field-naming reason.
+    ``unique_keys``: also refuse an object that names a key twice (:func:`check_unique_keys`;
+    for input from producers)."""
     try:
-        return msgspec.json.decode(data, type=type_)
+        value = msgspec.json.decode(data, type=type_)
     except msgspec.ValidationError as exc:
         raise DecodeError(f"invalid {type_.__name__}: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise DecodeError(f"malformed JSON: {exc}") from exc
+    if unique_keys:
+        check_unique_keys(data)
+    return value
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> None:
+    if len(pairs) > 1 and len({key for key, _ in pairs}) < len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
+
+
+def check_unique_keys(data: bytes | str) -> None:
+    """Raise ``DecodeError`` if an object of the JSON document ``data`` names a key twice.
+
+    msgspec (like most JSON readers) keeps the last of two, so ``{"key": "a", ..., "key": "b"}``
+    would be read as key b by one reader and key a by another (a proxy, a filter, a person):
+    a producer could show one key and teach another. The standard library's C scanner reports
+    every object's pairs in order; keeping none of them costs about one more decode (10 us
+    for a trace of 1 KB, 0.2 ms for 300 KB). Call it on a document msgspec has decoded."""
+    try:
+        json.loads(data, object_pairs_hook=_refuse_duplicates)
+    except _DuplicateKey as exc:
+        raise DecodeError(
+            f"duplicate JSON key {exc.key[:80]!r}: an object names it twice (which one would "
+            "count is up to the reader)"
+        ) from None
+    except (ValueError, RecursionError) as exc:
+        # msgspec read it but this reader cannot (nested past the recursion limit): unchecked
+        # is not unique, so it is refused too.
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
+        raise DecodeError(f"cannot check the JSON for duplicate keys: {reason}") from None
 
 
 def json_schema(type_: Any) -> dict[str, Any]:
@@ -448,6 +490,7 @@ __all__ = [
     "Trace",
     "UpdateOp",
     "UpdateStats",
+    "check_unique_keys",
     "decode",
     "encode",
     "json_schema",

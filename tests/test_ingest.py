@@ -1004,3 +1004,155 @@ async def test_a_trace_too_large_for_the_traces_topic_is_dead_lettered_not_a_poi
     [letter] = letters
     reason = dict(letter.headers)[H_ERROR].decode()
     assert "kafka.max_message_bytes" in reason and len(letter.value) <= 65_536 // 2
+
+
+# --------------------------------------------------------------------------- hostile input
+
+
+def orphan_flood(n: int, service: str, seed: int = 5) -> list[Any]:
+    """``n`` spans, each a child span of a trace of its own whose root never comes (its parent
+    is remote), from ``service``: issue 18's flood of 389-byte OTLP records, sized for a test."""
+    from opentelemetry import trace as otel_trace
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+    rng = random.Random(seed)
+    provider, collector = otel_agent.tracer_provider(service_name=service)
+    tracer = provider.get_tracer("tests.flood")
+    for _ in range(n):
+        parent = SpanContext(
+            rng.getrandbits(128), rng.getrandbits(64), True, TraceFlags(TraceFlags.SAMPLED)
+        )
+        context = otel_trace.set_span_in_context(NonRecordingSpan(parent))
+        with tracer.start_as_current_span("chat", context=context):
+            pass
+    provider.shutdown()
+    return list(collector.spans)
+
+
+async def send_fast(cfg: Config, topic: str, records: Sequence[tuple[Any, bytes, int]]) -> float:
+    """Send without waiting for each record (batched); returns when the broker has them all,
+    the time the last was acknowledged (anyio.current_time)."""
+    producer = make_producer(cfg.kafka, linger_ms=20)
+    await producer.start()
+    try:
+        futures = [
+            await producer.send(topic, value=value, key=key, partition=partition)
+            for key, value, partition in records
+        ]
+        for future in futures:
+            await future
+        return anyio.current_time()
+    finally:
+        await producer.stop()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(300)
+async def test_an_orphan_flood_of_one_service_is_shed_and_holds_back_no_other_service(
+    config: Config, unique: str
+) -> None:
+    """3,000 OTLP records from service `flood`, each one child span of a trace of its own
+    (its root never comes), then, behind them, a good trace of another service. Before the
+    bounds the spans topic paused at max_open_traces (400 here) and the orphans left only by
+    timing out, so the good trace waited for rounds of timeouts. Now `flood` is shed from its
+    own orphans at max_open_traces_per_service (50): the good trace is written before any
+    orphan could time out, and every orphan is dead-lettered with why (shed, or expired)."""
+    cfg = ingest_config(
+        engine_config(config, unique, "http://127.0.0.1:9"),
+        unique,
+        max_open_traces=400,
+        max_open_traces_per_service=50,
+        max_orphan_traces=200,
+        orphan_timeout_s=20.0,
+        trace_timeout_s=60.0,
+    )
+    flood = orphan_flood(3_000, "flood")
+    good = otel_agent.openinference_run("What is 6 * 7?")
+    records = [(None, encode([span], "otlp_proto"), i % 3) for i, span in enumerate(flood)]
+    stage = IngestStage(cfg)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(stage.run)
+        await stage.started.wait()
+        await send_fast(cfg, cfg.ingest.spans_topic, records)
+        sent = await send_fast(
+            cfg, cfg.ingest.spans_topic, [(None, encode(good.spans, "otlp_proto"), 0)]
+        )
+        [trace] = await wait_for_traces(cfg, 1, limit_s=cfg.ingest.trace_timeout_s)
+        held_back = anyio.current_time() - sent
+        letters = await wait_for_letters(cfg, len(flood), limit_s=120)
+        await wait_fully_committed(cfg, 60)
+        stage.stop()
+    assert trace.trace_id == good.trace_id and trace.key == "oi-agent"
+    assert held_back < cfg.ingest.orphan_timeout_s, f"held back {held_back:.1f} s by the flood"
+    reasons = [dict(r.headers)[H_ERROR].decode() for r in letters]
+    shed = [r for r in reasons if r.startswith("orphan_shed: ")]
+    expired = [r for r in reasons if r.startswith("no_root: ")]
+    assert len(shed) + len(expired) == len(letters) == len(flood), "each orphan, once"
+    assert len(expired) <= 50 and all("ingest.orphan_timeout_s" in r for r in expired)
+    assert all("'flood' holds more than 50 open traces" in r for r in shed), shed[:3]
+    assert sample(stage, "combee_ingest_pauses_total") == 0, "the spans topic never paused"
+    assert good.trace_id not in "".join(reasons)
+
+
+def _respan(span: Any, **changes: Any) -> Any:
+    """A copy of an SDK span with other start / end times."""
+    from opentelemetry.sdk.trace import ReadableSpan
+
+    fields = {
+        "name": span.name,
+        "context": span.get_span_context(),
+        "parent": span.parent,
+        "resource": span.resource,
+        "attributes": span.attributes,
+        "events": span.events,
+        "kind": span.kind,
+        "instrumentation_scope": span.instrumentation_scope,
+        "start_time": span.start_time,
+        "end_time": span.end_time,
+    }
+    return ReadableSpan(**{**fields, **changes})
+
+
+@pytest.mark.anyio
+async def test_a_root_that_never_ends_or_ends_before_it_starts_is_dead_lettered_as_such(
+    config: Config, unique: str
+) -> None:
+    """Two runs whose root span is wrong: one sent unended (no end time), whose letter said
+    its root "did not arrive"; one ending before it starts, which was written as it was. And a
+    good run beside them."""
+    cfg = ingest_config(
+        engine_config(config, unique, "http://127.0.0.1:9"),
+        unique,
+        trace_timeout_s=3.0,
+    )
+    unended, backwards, fine = (
+        otel_agent.openinference_run(f"What is {n} * 7?") for n in (4, 5, 6)
+    )
+
+    def with_root(run: AgentRun, root: Any) -> list[Any]:
+        return [root if s is run.root else s for s in run.spans]
+
+    start = backwards.root.start_time
+    spans = [
+        *with_root(unended, _respan(unended.root, end_time=None)),
+        *with_root(backwards, _respan(backwards.root, start_time=start + 10**9, end_time=start)),
+        *fine.spans,
+    ]
+    stage = IngestStage(cfg)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(stage.run)
+        await stage.started.wait()
+        await send_records(cfg, cfg.ingest.spans_topic, [(None, encode(spans, "otlp_proto"), 0)])
+        # The unended root waits out trace_timeout_s; the others were decided at their gap.
+        with anyio.fail_after(60):
+            while not letter_kinds(await dead_letters(cfg), unended.trace_id):  # noqa: ASYNC110
+                await anyio.sleep(0.3)
+        await wait_fully_committed(cfg, 60)
+        stage.stop()
+    traces, letters = await written_traces(cfg), await dead_letters(cfg)
+    assert [t.trace_id for t in traces] == [fine.trace_id]
+    reasons = [dict(r.headers)[H_ERROR].decode() for r in letters]
+    [never] = [r for r in reasons if unended.trace_id in r]
+    assert never.startswith("unended_root: ") and "arrived but never ended" in never, never
+    [early] = [r for r in reasons if backwards.trace_id in r]
+    assert early.startswith("unmappable: ") and "ends before it starts" in early, early

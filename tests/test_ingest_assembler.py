@@ -90,7 +90,7 @@ def test_one_message_with_several_traces_is_done_only_when_all_are() -> None:
     assert [o.trace.trace_id for o in written(a.due(2.0))] == [trace_id(1)]
     assert a.committable() == {(T, 0): 7}, "trace 2 still holds offset 7"
     [timed_out] = a.due(11.0)
-    assert isinstance(timed_out, Rejected) and timed_out.kind == "no_root"
+    assert isinstance(timed_out, Rejected) and timed_out.kind == "unended_root"
     assert timed_out.key == "support" and trace_id(2) in timed_out.reason
     assert a.committable() == {(T, 0): 8}
 
@@ -290,3 +290,126 @@ def test_an_annotation_whose_span_never_comes_is_dead_lettered() -> None:
     assert "annotation 'tone' for span 00000000000000ff" in out.reason
     assert out.source == (fb, 0, 0) and b'"tone (bad, HUMAN)"' in out.payload
     assert a.committable() == {(fb, 0): 1}, "done with its dead letter"
+
+
+# --------------------------------------------------------------------------- bounds (issue 18)
+
+
+def orphan(n: int, service: str = "flood", *, at: int = 1) -> Span:
+    """A child span of trace ``n`` whose parent (the root) never comes, as a flood sends."""
+    return Span(
+        trace_id=trace_id(n),
+        span_id=f"{n:08x}{at:08x}",
+        parent_span_id=f"{n:08x}ffffffff",
+        name="chat",
+        start_ns=2,
+        end_ns=5,
+        resource={"service.name": service},
+    )
+
+
+def bounded(**bounds: float) -> IngestConfig:
+    return msgspec.structs.replace(SETTINGS, **bounds)
+
+
+def rejected(items: list[Rejected] | list[Written | Rejected]) -> list[Rejected]:
+    return [i for i in items if isinstance(i, Rejected)]
+
+
+def test_a_flooding_service_is_shed_from_its_own_orphans_and_the_others_keep_theirs() -> None:
+    """Three orphans of a good service (children read before their root, as exporters send
+    them), then 50 orphans of a flooding one: the flood is shed from its own orphans, stalest
+    first, at max_open_traces_per_service; the good traces keep theirs and complete."""
+    a = Assembler(bounded(max_open_traces_per_service=3, max_orphan_traces=10))
+    good = [agent_spans(n) for n in (1, 2, 3)]
+    for n, (chat, _) in enumerate(good):
+        chat = msgspec.structs.replace(chat, resource={"service.name": "calc"})
+        assert a.add_telemetry(Telemetry(spans=[chat]), (T, 0, n), now=0.0) == []
+    shed: list[Rejected] = []
+    for n in range(100, 150):
+        shed += a.add_telemetry(Telemetry(spans=[orphan(n)]), (T, 1, n), now=0.1)
+    assert [r.kind for r in shed] == ["orphan_shed"] * 47
+    assert [r.trace_id for r in shed] == [trace_id(n) for n in range(100, 147)], "stalest first"
+    assert "'flood' holds more than 3 open traces (ingest.max_open_traces_per_service)" in (
+        shed[0].reason
+    )
+    assert shed[0].key == "flood" and b'"chat"' in shed[0].payload, "what was held, dead-lettered"
+    assert a.open_traces == 6 and a.orphans == 6
+    for n, (_, root) in enumerate(good):
+        root = msgspec.structs.replace(root, resource={"service.name": "calc"})
+        a.add_telemetry(Telemetry(spans=[root]), (T, 0, 10 + n), now=0.2)
+    assert sorted(w.trace.trace_id for w in written(a.due(1.2))) == [trace_id(n) for n in (1, 2, 3)]
+
+
+def test_orphans_of_many_services_are_shed_stalest_first_at_max_orphan_traces() -> None:
+    """A flood under a new service name per span is caught by the bound all services share:
+    the orphan that went longest without a new span goes first (one that just had a span
+    is younger than its first one says)."""
+    a = Assembler(bounded(max_orphan_traces=3))
+    for n in range(1, 4):
+        a.add_telemetry(Telemetry(spans=[orphan(n, f"s{n}")]), (T, 0, n), now=float(n))
+    a.add_telemetry(Telemetry(spans=[orphan(1, "s1", at=2)]), (T, 0, 4), now=4.0)  # 1 is fresh
+    [shed] = a.add_telemetry(Telemetry(spans=[orphan(5, "s5")]), (T, 0, 5), now=5.0)
+    assert (shed.kind, shed.trace_id) == ("orphan_shed", trace_id(2))
+    assert "more than 3 orphans are open (ingest.max_orphan_traces)" in shed.reason
+    assert a.orphans == 3
+
+
+def test_a_service_at_its_bound_with_no_orphan_left_refuses_its_newest_trace() -> None:
+    a = Assembler(bounded(max_open_traces_per_service=2, feedback_wait_s=60.0))
+    assert a.add_telemetry(Telemetry(spans=agent_spans(1)), (T, 0, 0), now=0.0) == []
+    assert a.add_telemetry(Telemetry(spans=agent_spans(2)), (T, 0, 1), now=0.0) == []
+    [refused] = a.add_telemetry(Telemetry(spans=agent_spans(3)), (T, 0, 2), now=0.0)
+    assert (refused.kind, refused.trace_id) == ("service_flood", trace_id(3))
+    assert "none of them is an orphan to shed" in refused.reason
+    assert a.open_traces == 2 and a.committable() == {(T, 0): 0}
+
+
+def test_at_max_open_traces_orphans_are_shed_before_the_stage_would_pause() -> None:
+    a = Assembler(bounded(max_open_traces=3, feedback_wait_s=60.0))
+    a.add_telemetry(Telemetry(spans=agent_spans(1)), (T, 0, 0), now=0.0)  # complete, waiting
+    a.add_telemetry(Telemetry(spans=[orphan(2)]), (T, 0, 1), now=0.0)
+    [shed] = a.add_telemetry(Telemetry(spans=[orphan(3)]), (T, 0, 2), now=0.0)
+    assert (shed.kind, shed.trace_id) == ("orphan_shed", trace_id(2))
+    assert "(ingest.max_open_traces)" in shed.reason
+    assert a.assembling == 2, "below max_open_traces: the stage does not pause"
+
+
+def test_an_orphan_expires_orphan_timeout_s_after_its_last_span_with_the_missing_parent() -> None:
+    a = Assembler(bounded(orphan_timeout_s=5.0, trace_timeout_s=100.0))
+    a.add_telemetry(Telemetry(spans=[orphan(1)]), (T, 0, 0), now=0.0)
+    a.add_telemetry(Telemetry(spans=[orphan(1, at=2)]), (T, 0, 1), now=4.0)
+    assert a.due(8.9) == [], "a span 4 s in: 5 s since the last one, not the first"
+    [out] = rejected(a.due(9.0))
+    assert out.kind == "no_root"
+    assert "within 5 s of its last span (ingest.orphan_timeout_s)" in out.reason
+    assert f"names parent {1:08x}ffffffff, which did not arrive" in out.reason
+
+
+def test_a_root_sent_unended_or_ending_before_it_starts_is_dead_lettered_as_such() -> None:
+    a = Assembler(SETTINGS)
+    a.add_telemetry(Telemetry(spans=agent_spans(1, root_end=0)), (T, 0, 0), now=0.0)
+    chat, root = agent_spans(2)
+    backwards = msgspec.structs.replace(root, start_ns=9_000_000_000, end_ns=8_000_000_000)
+    a.add_telemetry(Telemetry(spans=[chat, backwards]), (T, 0, 1), now=0.0)
+    [early] = rejected(a.due(1.0))
+    assert (early.kind, early.trace_id) == ("unmappable", trace_id(2))
+    assert "ends before it starts" in early.reason
+    [late] = rejected(a.due(10.0))
+    assert (late.kind, late.trace_id) == ("unended_root", trace_id(1))
+    assert "arrived but never ended" in late.reason and "did not arrive" not in late.reason
+
+
+@pytest.mark.parametrize("long_task", ["cut", "dead_letter"])
+def test_a_task_over_max_task_chars_is_cut_with_a_marker_or_dead_lettered(long_task: str) -> None:
+    a = Assembler(SETTINGS, max_task_chars=8, long_task=long_task)  # type: ignore[arg-type]
+    a.add_telemetry(Telemetry(spans=agent_spans(1)), (T, 0, 0), now=0.0)  # task "question 1"
+    [out] = a.due(1.0)
+    if long_task == "cut":
+        assert isinstance(out, Written)
+        assert out.trace.task == (
+            "question\n[task cut: the first 8 of 10 characters (learning.max_task_chars)]"
+        )
+    else:
+        assert isinstance(out, Rejected) and out.kind == "unmappable"
+        assert "task of 10 characters > learning.max_task_chars = 8" in out.reason

@@ -31,7 +31,7 @@ from combee_stream.core.versions import KeyChain
 from combee_stream.engine.metrics import EngineMetrics
 from combee_stream.engine.partition import KeyIndex, Partitions, PartitionState
 from combee_stream.engine.publisher import Publisher
-from combee_stream.formats import get_format
+from combee_stream.formats import trace_format
 from combee_stream.kafka.dlq import DeadLetter
 from combee_stream.kafka.ingest import classify
 from combee_stream.logs import get_logger
@@ -101,7 +101,7 @@ class Intake:
         self._learner = learner
         self._publisher = publisher
         self._metrics = metrics
-        self._format = get_format(config.kafka.traces_format)
+        self._format = trace_format(config)
         self._settings = pipeline_settings(config)
         self.keys: dict[str, KeyEntry] = {}
         self._tg: TaskGroup | None = None

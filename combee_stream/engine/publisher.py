@@ -131,10 +131,12 @@ class Publisher:
                     except ProducerFenced:
                         # A newer owner initialised this partition's transactional id: this
                         # instance is a zombie for it. Publish nothing more; the rebalance
-                        # that follows revokes the partition.
-                        log.warning(
-                            "producer fenced: partition lost", op=op, partition=part.partition
-                        )
+                        # that follows revokes the partition. One line per fencing: the other
+                        # operations in flight on the partition learn it here too.
+                        if part.owned:
+                            log.warning(
+                                "producer fenced: partition lost", op=op, partition=part.partition
+                            )
                         part.owned = False
                         return False
                     if error is None:

@@ -158,6 +158,12 @@ def trace_from_spans(
         raise DecodeError("the spans belong to more than one trace")
     ordered = _ordered(spans)
     root = ordered[0]
+    if 0 < root.end_ns < root.start_ns:
+        raise DecodeError(
+            f"its root span {root.span_id} ({root.name[:80]!r}) ends before it starts "
+            f"(start {_time(root.start_ns)}, end {_time(root.end_ns)}): a clock or an "
+            "instrumentation is wrong, and its times would be the trace's"
+        )
     key = _checked_key(ordered, settings)
     views = [_view(span, events) for span, events in _events_by_span(ordered, logs)]
     task = _task(views)

@@ -7,12 +7,13 @@ from combee_stream.schemas import Trace, decode
 
 
 class NativeJson:
-    """``Trace`` JSON, decoded strictly (unknown fields, wrong types, newer schemas rejected)."""
+    """``Trace`` JSON, decoded strictly (unknown fields, wrong types, newer schemas and keys
+    named twice in one object rejected)."""
 
     name = "native"
 
     def from_line(self, line: bytes | str) -> Trace:
-        return decode(line, Trace)
+        return decode(line, Trace, unique_keys=True)
 
     def from_record(self, key: bytes | None, value: bytes | None) -> Trace:
         if value is None:

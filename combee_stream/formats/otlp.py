@@ -43,6 +43,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 
 from combee_stream.errors import DecodeError
 from combee_stream.formats.spans import EVALUATION_EVENT, LogEvent, Span, SpanEvent, Telemetry
+from combee_stream.schemas import check_unique_keys
 
 Encoding: TypeAlias = Literal["otlp_proto", "otlp_json"]
 Signal: TypeAlias = Literal["traces", "logs"]
@@ -121,6 +122,7 @@ def _parse_json(value: bytes, kind: Signal) -> ExportTraceServiceRequest | Expor
         document = msgspec.json.decode(value)
     except msgspec.DecodeError as exc:
         raise DecodeError(f"not OTLP JSON: {exc}") from None
+    check_unique_keys(value)
     if not isinstance(document, dict):
         raise DecodeError(f"not an OTLP JSON {_REQUEST[kind]}: the value is not a JSON object")
     other: Signal = "logs" if kind == "traces" else "traces"

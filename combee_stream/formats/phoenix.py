@@ -29,7 +29,7 @@ from msgspec import Struct
 from combee_stream.config import IngestConfig
 from combee_stream.errors import DecodeError
 from combee_stream.formats.genai import result_feedback
-from combee_stream.schemas import Feedback
+from combee_stream.schemas import Feedback, check_unique_keys
 
 
 class AnnotationResult(Struct, frozen=True):
@@ -82,6 +82,7 @@ def decode_annotations(value: bytes, settings: IngestConfig) -> list[Annotated]:
         body = msgspec.json.decode(value, type=AnnotationsBody)
     except msgspec.DecodeError as exc:
         raise DecodeError(f"invalid Phoenix annotations body: {exc}") from None
+    check_unique_keys(value)
     if not body.data:
         raise DecodeError("the Phoenix annotations body has no annotation (data is empty)")
     return [_annotated(item, i, settings) for i, item in enumerate(body.data)]

@@ -15,8 +15,13 @@ and none of its spans arrived for ``ingest.gap_s``. The feedback join:
 
 Anything that cannot become a trace is a rejection (dead-lettered by the stage), never dropped:
 
-- no root span ``trace_timeout_s`` after the first span (``no_root``), or more spans than
-  ``max_spans_per_trace`` (``span_flood``), or spans the mapping cannot read (``unmappable``);
+- no root span ``trace_timeout_s`` after the first span, or ``orphan_timeout_s`` after the last
+  (``no_root``); a root span that arrived unended (``unended_root``: an SDK exports a span when
+  it ends); a trace still receiving spans ``trace_timeout_s`` after its first (``never_quiet``);
+  more spans than ``max_spans_per_trace`` (``span_flood``); spans the mapping cannot read, a
+  root that ends before it starts among them (``unmappable``);
+- an orphan shed to keep within a bound (``orphan_shed``), or a trace of a service at its
+  bound with no orphan left to shed (``service_flood``): see *Bounds* below;
 - feedback (evaluation events, annotations, FeedbackRecords) for a trace no span of which
   arrived in time (``orphan_feedback``; a span annotation whose span did not arrive in time
   too), or for a trace already written (``late_feedback``: the trace was learned without it,
@@ -42,6 +47,16 @@ assembler knows the span ids of open traces, and of the last ``recent_spans`` (1
 of decided traces (an annotation for one of those is ``late_feedback``). One whose span has not
 been read waits for it, as feedback waits for its trace, up to ``trace_timeout_s``.
 
+Bounds. An *orphan* is an open trace with spans but no ended root span (a span with no parent
+and an end time) yet. Only a timeout frees one, so a flood of child spans of traces of their
+own would hold the stage at ``max_open_traces`` (the spans topic paused for every service)
+until each timed out. Three bounds shed the stalest orphan (the longest without a new span)
+first, each checked after every message: a service (its first span's ``service.name``) past
+``max_open_traces_per_service`` sheds its own stalest orphan, or when it has none its newest
+trace is refused (``service_flood``); past ``max_orphan_traces`` orphans, or at
+``max_open_traces``, the stalest orphan of all is shed. So a flood from one service is shed
+from its own orphans, and the stage pauses only for traces that complete within their gap.
+
 Several feedback items for one trace are combined so (:func:`combine_feedback`): the score is
 their mean, ``passed`` is false if any says false (true only if every item that says anything
 says true), the ground truth is the last one given, and the texts are kept in arrival order.
@@ -60,6 +75,7 @@ from msgspec import Struct
 from combee_stream.config import IngestConfig
 from combee_stream.engine.offsets import PartitionOffsets
 from combee_stream.errors import DecodeError
+from combee_stream.formats import bound_task
 from combee_stream.formats.genai import (
     evaluation_errors,
     evaluations,
@@ -82,7 +98,17 @@ NO_FEEDBACK: Final = Feedback(
 
 
 # A trace rejected as a whole; then input rejected on its own (late for a decided trace).
-TraceRejection = Literal["no_root", "span_flood", "unmappable", "orphan_feedback", "no_feedback"]
+TraceRejection = Literal[
+    "no_root",
+    "unended_root",
+    "never_quiet",
+    "span_flood",
+    "unmappable",
+    "orphan_feedback",
+    "no_feedback",
+    "orphan_shed",
+    "service_flood",
+]
 RejectionKind = Literal[TraceRejection, "late_feedback", "late_span", "untraced_feedback"]
 # What became of a trace (late input changes nothing: it is rejected on its own).
 Outcome = Literal["written", TraceRejection]
@@ -131,12 +157,16 @@ class _Open:
         "last_span_ts",
         "logs",
         "refs",
+        "rooted",
+        "service",
         "spans",
         "trace_id",
     )
 
     def __init__(self, trace_id: str, now: float) -> None:
         self.trace_id = trace_id
+        self.service = ""  # its first span's resource service.name (set with its first span)
+        self.rooted = False  # an ended span with no parent has arrived: not an orphan
         self.spans: dict[str, Span] = {}
         self.logs: list[LogEvent] = []
         self.feedback: list[Feedback] = []  # FeedbackRecords, in arrival order
@@ -199,11 +229,14 @@ class Assembler:
         settings: IngestConfig,
         *,
         max_trace_bytes: int = 1_048_576,
+        max_task_chars: int = 20_000,
+        long_task: Literal["cut", "dead_letter"] = "cut",
         recent: int = 100_000,
         recent_spans: int = 100_000,
     ) -> None:
         self._s = settings
         self._max_bytes = max_trace_bytes  # a larger trace is rejected (the broker would refuse)
+        self._task_bound = (max_task_chars, long_task)  # learning.max_task_chars, long_task
         self._open: dict[str, _Open] = {}
         self._holds: dict[Ref, int] = {}  # message -> open traces it still feeds
         self._offsets: dict[TopicPartitionKey, PartitionOffsets] = {}
@@ -220,12 +253,21 @@ class Assembler:
         self._closed_spans: OrderedDict[str, str] = OrderedDict()
         self._closed_cap = recent_spans
         self._waiting: dict[str, list[_Waiting]] = {}
+        # Open traces with spans per service, and the orphans (see Bounds), stalest first: all
+        # of them and per service.
+        self._services: dict[str, int] = {}
+        self._orphans: OrderedDict[str, _Open] = OrderedDict()
+        self._service_orphans: dict[str, OrderedDict[str, _Open]] = {}
 
     # ------------------------------------------------------------------ state
 
     @property
     def open_traces(self) -> int:
         return len(self._open)
+
+    @property
+    def orphans(self) -> int:
+        return len(self._orphans)
 
     @property
     def assembling(self) -> int:
@@ -336,6 +378,7 @@ class Assembler:
         for log in telemetry.logs:
             by_trace.setdefault(log.trace_id, ([], []))[1].append(log)
         flooded: list[_Open] = []
+        opened: list[_Open] = []  # traces whose first spans this message brought
         for trace_id, (spans, logs) in by_trace.items():
             late = self._late(trace_id, ref, spans, logs, [])
             if late is not None:
@@ -348,6 +391,8 @@ class Assembler:
             self._hold(entry, ref)
             if spans and not entry.spans:
                 self._spanned += 1
+                opened.append(entry)
+                self._opened(entry, spans[0])
             for span in spans:
                 entry.spans[span.span_id] = span  # a span sent twice counts once
                 self._open_spans[span.span_id] = trace_id
@@ -359,6 +404,7 @@ class Assembler:
                 entry.last_span_at = now
                 entry.last_span_ts = max(entry.last_span_ts, timestamp)
                 entry.complete_at = None  # a new span: the gap starts again
+                self._track(entry, spans)
             if len(entry.spans) > self._s.max_spans_per_trace:
                 flooded.append(entry)
         # Rejected once the message holds every trace it feeds: a rejection may free it.
@@ -368,8 +414,76 @@ class Assembler:
                 "(ingest.max_spans_per_trace)"
             )
             rejected.append(self._reject(entry, "span_flood", reason))
+        rejected.extend(self._shed(opened))
         self._settle_if_free(ref)
         return rejected
+
+    def _opened(self, entry: _Open, first: Span) -> None:
+        service = first.resource.get("service.name")
+        entry.service = service if isinstance(service, str) else ""
+        self._services[entry.service] = self._services.get(entry.service, 0) + 1
+
+    def _track(self, entry: _Open, spans: list[Span]) -> None:
+        """After new spans of ``entry``: rooted now, or an orphan that just had a span."""
+        if entry.rooted:
+            return
+        if any(not span.parent_span_id and span.end_ns > 0 for span in spans):
+            entry.rooted = True
+            self._unorphan(entry)
+            return
+        mine = self._service_orphans.setdefault(entry.service, OrderedDict())
+        for orphans in (self._orphans, mine):
+            orphans[entry.trace_id] = entry
+            orphans.move_to_end(entry.trace_id)
+
+    def _unorphan(self, entry: _Open) -> None:
+        if self._orphans.pop(entry.trace_id, None) is None:
+            return
+        mine = self._service_orphans[entry.service]
+        del mine[entry.trace_id]
+        if not mine:
+            del self._service_orphans[entry.service]
+
+    def _shed(self, opened: list[_Open]) -> list[Rejected]:
+        """Back within the bounds after a message (see Bounds in the module docstring)."""
+        s, out = self._s, []
+        for service in dict.fromkeys(entry.service for entry in opened):
+            cap = s.max_open_traces_per_service
+            while self._services.get(service, 0) > cap:
+                why = (
+                    f"service {service or '(no service.name)'!r} holds more than {cap} open "
+                    "traces (ingest.max_open_traces_per_service)"
+                )
+                mine = self._service_orphans.get(service)
+                if mine:
+                    out.append(self._shed_orphan(next(iter(mine.values())), why))
+                    continue
+                mine_new = (e for e in reversed(opened) if e.service == service)
+                newest = next((e for e in mine_new if e.trace_id in self._open), None)
+                if newest is None:
+                    break
+                out.append(
+                    self._reject(
+                        newest,
+                        "service_flood",
+                        f"trace {newest.trace_id} refused: {why} and none of them is an "
+                        "orphan to shed",
+                    )
+                )
+        while len(self._orphans) > s.max_orphan_traces:
+            why = f"more than {s.max_orphan_traces} orphans are open (ingest.max_orphan_traces)"
+            out.append(self._shed_orphan(next(iter(self._orphans.values())), why))
+        while self._spanned >= s.max_open_traces and self._orphans:
+            why = f"{self._spanned} traces are open (ingest.max_open_traces)"
+            out.append(self._shed_orphan(next(iter(self._orphans.values())), why))
+        return out
+
+    def _shed_orphan(self, entry: _Open, why: str) -> Rejected:
+        reason = (
+            f"trace {entry.trace_id} has {len(entry.spans)} span(s) and no root span yet, and "
+            f"is the stalest orphan: shed because {why}"
+        )
+        return self._reject(entry, "orphan_shed", reason)
 
     def add_feedback(self, record: FeedbackRecord, ref: Ref, now: float) -> list[Rejected]:
         self._read(ref)
@@ -482,8 +596,13 @@ class Assembler:
                 assert entry.last_span_at is not None
                 entry.complete_at = entry.last_span_at + s.gap_s
             if not ended:
-                if now - entry.first_seen >= s.trace_timeout_s:
-                    out.append(self._timed_out(entry))
+                orphaned = (
+                    entry.last_span_at is not None
+                    and not entry.rooted
+                    and now - entry.last_span_at >= s.orphan_timeout_s
+                )
+                if orphaned or now - entry.first_seen >= s.trace_timeout_s:
+                    out.append(self._timed_out(entry, orphaned=orphaned))
                 continue
             assert entry.complete_at is not None
             spans = list(entry.spans.values())
@@ -523,19 +642,49 @@ class Assembler:
                 del self._waiting[span_id]
         return out
 
-    def _timed_out(self, entry: _Open) -> Rejected:
+    def _timed_out(self, entry: _Open, *, orphaned: bool = False) -> Rejected:
+        s, trace_id = self._s, entry.trace_id
+        within = (
+            f"within {s.orphan_timeout_s:g} s of its last span (ingest.orphan_timeout_s)"
+            if orphaned
+            else f"within {s.trace_timeout_s:g} s (ingest.trace_timeout_s)"
+        )
         if not entry.spans:
             return self._reject(
                 entry,
                 "orphan_feedback",
-                f"feedback for trace {entry.trace_id}, but no span of it arrived within "
-                f"{self._s.trace_timeout_s:g} s (ingest.trace_timeout_s)",
+                f"feedback for trace {trace_id}, but no span of it arrived {within}",
             )
+        spans = list(entry.spans.values())
+        root = root_span(spans)
+        if root is not None and not root.parent_span_id and root.end_ns > 0:
+            # Ended, yet never gap_s without a new span (in both clocks) until the timeout.
+            return self._reject(
+                entry,
+                "never_quiet",
+                f"trace {trace_id} was still receiving spans {s.trace_timeout_s:g} s after its "
+                f"first (ingest.trace_timeout_s): never {s.gap_s:g} s without a new span "
+                "(ingest.gap_s)",
+            )
+        unended = next((x for x in spans if not x.parent_span_id and x.end_ns <= 0), None)
+        if unended is not None:
+            return self._reject(
+                entry,
+                "unended_root",
+                f"trace {trace_id}: its root span {unended.span_id} ({unended.name[:80]!r}) "
+                f"arrived but never ended (no end time) {within}; an SDK exports a span once "
+                "it ends, so this one was sent unfinished",
+            )
+        detail = (
+            f": span {root.span_id} names parent {root.parent_span_id}, which did not arrive"
+            if root is not None
+            else ""
+        )
         return self._reject(
             entry,
             "no_root",
-            f"trace {entry.trace_id} has {len(entry.spans)} span(s) but its root span did not "
-            f"arrive within {self._s.trace_timeout_s:g} s (ingest.trace_timeout_s)",
+            f"trace {trace_id} has {len(spans)} span(s) but its root span (one with no parent) "
+            f"did not arrive {within}{detail}",
         )
 
     def _finish(self, entry: _Open, items: list[Feedback], now: float) -> Written | Rejected:
@@ -550,6 +699,7 @@ class Assembler:
         spans = list(entry.spans.values())
         try:
             trace = trace_from_spans(spans, entry.logs, self._s, feedback=feedback or NO_FEEDBACK)
+            trace = bound_task(trace, *self._task_bound)
         except (DecodeError, ValueError, msgspec.ValidationError) as exc:
             reason = exc.reason if isinstance(exc, DecodeError) else str(exc)
             return self._reject(entry, "unmappable", f"trace {entry.trace_id}: {reason}")
@@ -593,6 +743,10 @@ class Assembler:
         its mark says so."""
         if self._open.pop(entry.trace_id, None) is not None and entry.spans:
             self._spanned -= 1
+            self._services[entry.service] -= 1
+            if not self._services[entry.service]:
+                del self._services[entry.service]
+            self._unorphan(entry)
         for span_id in entry.spans:
             self._open_spans.pop(span_id, None)
             self._closed_span(span_id, entry.trace_id)

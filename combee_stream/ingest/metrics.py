@@ -26,6 +26,11 @@ class IngestMetrics:
         self.open_traces = Gauge(
             "combee_ingest_open_traces", "Traces being assembled (not yet written)", registry=r
         )
+        self.orphan_traces = Gauge(
+            "combee_ingest_orphan_traces",
+            "Open traces with no ended root span yet (ingest.max_orphan_traces bounds them)",
+            registry=r,
+        )
         self.traces_out = Counter(
             "combee_ingest_traces", "Traces assembled and written to the traces topic", registry=r
         )

@@ -26,9 +26,11 @@ Choices the design leaves open, recorded here:
   trace id with aiokafka's murmur2; the same partition count on the spans, logs and feedback
   topics. One instance reads them all.
 - Past ``ingest.max_open_traces`` (open traces with spans) the stage pauses the spans topic
-  until traces complete or time out (``trace_timeout_s`` bounds how long that takes), so memory
-  stays bounded. The logs and feedback topics go on: the traces waiting are those that need
-  their feedback, and no trace is complete before its feedback wait ends.
+  until traces complete or time out, so memory stays bounded. Orphans (no ended root yet) are
+  shed before that (the assembler's *Bounds*): what holds the pause is traces that complete
+  within their gap, or that wait for feedback (``feedback_wait_s``). The logs and feedback
+  topics go on: the traces waiting are those that need their feedback, and no trace is
+  complete before its feedback wait ends.
 """
 
 from __future__ import annotations
@@ -163,7 +165,13 @@ class IngestStage:
     async def _assembler(self) -> Assembler:
         """A new assembler that knows every trace decided whose mark is kept."""
         cfg = self.config.ingest
-        assembler = Assembler(cfg, max_trace_bytes=self.config.kafka.max_message_bytes)
+        learning = self.config.learning
+        assembler = Assembler(
+            cfg,
+            max_trace_bytes=self.config.kafka.max_message_bytes,
+            max_task_chars=learning.max_task_chars,
+            long_task=learning.long_task,
+        )
         for record in await read_to_end(self.config.kafka, cfg.state_topic, env=self._env):
             trace_id = record.key.decode()
             if record.value is None:
@@ -226,6 +234,7 @@ class IngestStage:
                     self.metrics.pauses.inc()
                     log.warning("ingest paused: too many open traces", open=assembler.open_traces)
             self.metrics.open_traces.set(assembler.open_traces)
+            self.metrics.orphan_traces.set(assembler.orphans)
         final = [*pending, *assembler.due(anyio.current_time(), await clock.watermark(consumer))]
         await self._flush(assembler, producer, final, committed)
 
@@ -254,7 +263,7 @@ class IngestStage:
                 if is_annotations(value):  # a Phoenix annotations body, else a FeedbackRecord
                     annotations = decode_annotations(value, s)
                     return list(assembler.add_annotations(annotations, ref, now))
-                feedback = decode(value, FeedbackRecord)
+                feedback = decode(value, FeedbackRecord, unique_keys=True)
                 return list(assembler.add_feedback(feedback, ref, now))
             signal: Literal["traces", "logs"] = (
                 "traces" if record.topic == s.spans_topic else "logs"

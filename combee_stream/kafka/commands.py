@@ -12,7 +12,7 @@ import msgspec
 
 from combee_stream.config import Config, secret
 from combee_stream.errors import DecodeError, UserError
-from combee_stream.formats import get_format
+from combee_stream.formats import trace_format
 from combee_stream.kafka.dlq import replay_dead_letters
 from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.subscriber import PromptSubscriber
@@ -91,7 +91,7 @@ async def _produce(args: argparse.Namespace, config: Config) -> int:
     lines = [(n, line) for n, line in enumerate(_read_lines(args.file), 1) if line.strip()]
     traces: list[Trace] = []
     if not args.raw:
-        fmt = get_format(config.kafka.traces_format)
+        fmt = trace_format(config)
         errors = []
         for n, line in lines:
             try:

@@ -11,6 +11,7 @@ from typing import Any, Final
 
 import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import ProducerFenced
 
 from combee_stream.config import KafkaConfig
 from combee_stream.errors import UserError
@@ -28,13 +29,17 @@ H_TOPIC: Final = "combee.source.topic"
 H_PARTITION: Final = "combee.source.partition"
 H_OFFSET: Final = "combee.source.offset"
 H_SCHEMA: Final = "combee.schema.version"
+# The stage of a replay's marker: the letter at the partition and offset it names was re-sent.
+REPLAYED: Final = "replayed"
 
 
 class DeadLetter(msgspec.Struct, frozen=True):
     """Why and where a record failed; becomes a DLQ record with the original key and value."""
 
     reason: str
-    stage: str  # "decode" | "reflect" | "curate" | "size" (its version could not be published)
+    # "decode" | "reflect" | "curate" | "size" (its version could not be published) | "ingest";
+    # "replayed" for a replay's marker
+    stage: str
     topic: str
     partition: int
     offset: int
@@ -97,6 +102,7 @@ __all__ = [
     "H_SCHEMA",
     "H_STAGE",
     "H_TOPIC",
+    "REPLAYED",
     "DeadLetter",
     "replay_dead_letters",
     "send_dead_letter",
@@ -113,11 +119,18 @@ async def replay_dead_letters(
     """Send parked traces back to the traces topic, once: returns how many were re-sent.
 
     The dead letters of ``stages`` (of ``key`` only, when given) are re-sent byte for byte, keyed
-    as they were. Exactly once, per selection: a consumer group of its own per selection
-    (``GROUP.dlq-replay.STAGES.KEY``) remembers how far it got, and the re-sends and that
-    position are one Kafka transaction; a second run re-sends nothing. (A trace parked again by
-    the engine is a new dead letter, which a later replay picks up.)
+    as they were. Once whatever the selections: each re-sent letter gets a marker on the DLQ
+    (stage ``replayed``, in the letter's partition, so after it, naming its partition and
+    offset), and a replay first reads the markers and skips the letters they name, so
+    overlapping selections (``--stage reflect``, then all stages, then ``--key K``) never re-send
+    one twice. The re-sends, their markers and the selection's position (a consumer group per
+    selection, ``GROUP.dlq-replay.STAGES.KEY``, so a re-run reads only what came since) are one
+    Kafka transaction, under one transactional id for every replay: two replays at once fence
+    each other instead of both re-sending. (A trace parked again by the engine is a new dead
+    letter, which a later replay picks up.)
     """
+    if REPLAYED in stages:
+        raise UserError(f"{REPLAYED!r} letters are replay markers, not traces to replay")
     selection = f"{'+'.join(sorted(stages))}.{key or 'any'}"
     group = f"{cfg.group_id}.dlq-replay.{selection}"
     consumer = AIOKafkaConsumer(
@@ -127,7 +140,7 @@ async def replay_dead_letters(
         auto_offset_reset="earliest",
         isolation_level="read_committed",
     )
-    producer = make_producer(cfg, env, transactional_id=group)
+    producer = make_producer(cfg, env, transactional_id=f"{cfg.group_id}.dlq-replay")
     await start_client(consumer, cfg)
     try:
         await start_client(producer, cfg)
@@ -138,24 +151,91 @@ async def replay_dead_letters(
         if not tps:
             raise UserError(f"the DLQ topic {cfg.dlq_topic!r} does not exist")
         consumer.assign(tps)
+        starts: dict[TopicPartition, int] = {}
         for tp in tps:  # from where this selection got to (the start, the first time)
             committed = await consumer.committed(tp)
-            consumer.seek(tp, committed if committed is not None else 0)
+            starts[tp] = committed if committed is not None else 0
+            consumer.seek(tp, starts[tp])
+        # A letter's marker is after it in its partition: reading to the end finds the marker
+        # of every letter from this selection's position on, whichever replay wrote it.
+        replayed_before: set[tuple[int, int]] = set()
+        async for batch in until_end(consumer, tps):
+            replayed_before.update(m for m in map(_marked, batch) if m is not None)
+        for tp, at in starts.items():
+            consumer.seek(tp, at)
         replayed = 0
-        async with producer.transaction():
-            positions: dict[TopicPartition, int] = {}
-            async for batch in until_end(consumer, tps):
-                for record in batch:
-                    headers = {k: v.decode(errors="replace") for k, v in record.headers}
-                    record_key = record.key.decode(errors="replace") if record.key else None
-                    if headers.get(H_STAGE) in stages and key in (None, record_key):
-                        await producer.send(cfg.traces_topic, value=record.value, key=record.key)
-                        replayed += 1
-                    positions[TopicPartition(record.topic, record.partition)] = record.offset + 1
-            if positions:
-                await producer.send_offsets_to_transaction(positions, group)
-        log.info("dead letters replayed", replayed=replayed, selection=selection)
+        try:
+            async with producer.transaction():
+                positions: dict[TopicPartition, int] = {}
+                async for batch in until_end(consumer, tps):
+                    for record in batch:
+                        tp = TopicPartition(record.topic, record.partition)
+                        positions[tp] = record.offset + 1
+                        if _selected(record, stages, key, replayed_before):
+                            await producer.send(
+                                cfg.traces_topic, value=record.value, key=record.key
+                            )
+                            marker = _marker(record, cfg.traces_topic)
+                            await producer.send(
+                                cfg.dlq_topic,
+                                value=marker.value,
+                                key=marker.key,
+                                headers=marker.headers(),
+                                partition=record.partition,
+                            )
+                            replayed += 1
+                if positions:
+                    await producer.send_offsets_to_transaction(positions, group)
+        except ProducerFenced:
+            raise UserError(
+                "another `dlq replay` started meanwhile and fenced this one (nothing of this run "
+                "was sent): run it again once that one is done"
+            ) from None
+        log.info(
+            "dead letters replayed",
+            replayed=replayed,
+            selection=selection,
+            replayed_before=len(replayed_before),
+        )
         return replayed
     finally:
         await stop_quietly(producer)
         await stop_quietly(consumer)
+
+
+def _selected(
+    record: Any, stages: Collection[str], key: str | None, replayed: set[tuple[int, int]]
+) -> bool:
+    headers = {k: v.decode(errors="replace") for k, v in record.headers}
+    record_key = record.key.decode(errors="replace") if record.key else None
+    return (
+        headers.get(H_STAGE) in stages
+        and key in (None, record_key)
+        and (record.partition, record.offset) not in replayed
+    )
+
+
+def _marker(letter: Any, traces_topic: str) -> DeadLetter:
+    """The DLQ record saying that ``letter`` was re-sent (stage ``replayed``; its source is the
+    letter itself)."""
+    return DeadLetter(
+        reason=f"replayed: dead letter {letter.partition}:{letter.offset} re-sent to "
+        f"{traces_topic}",
+        stage=REPLAYED,
+        topic=letter.topic,
+        partition=letter.partition,
+        offset=letter.offset,
+        key=letter.key,
+        value=None,
+    )
+
+
+def _marked(record: Any) -> tuple[int, int] | None:
+    """The (partition, offset) of the letter a replay marker names; None for any other record."""
+    headers = dict(record.headers)
+    if headers.get(H_STAGE) != REPLAYED.encode():
+        return None
+    try:
+        return int(headers[H_PARTITION]), int(headers[H_OFFSET])
+    except (KeyError, ValueError):
+        return None

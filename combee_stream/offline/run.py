@@ -43,7 +43,7 @@ from combee_stream.core.prompts import PROMPTS_VERSION
 from combee_stream.core.scan import STRATEGIES
 from combee_stream.core.versions import KeyChain
 from combee_stream.errors import UserError
-from combee_stream.formats import get_format
+from combee_stream.formats import trace_format
 from combee_stream.offline.source import BadLine, read_traces
 from combee_stream.offline.store import History, OutputDir
 from combee_stream.schemas import Playbook, PromptUpdate, Source, Trace
@@ -242,7 +242,7 @@ async def run_learn(
         llm_config = msgspec.structs.replace(llm_config, memo_path=str(out.memo))
         config = msgspec.structs.replace(config, llm=llm_config)
 
-    source = read_traces(traces_path, get_format(config.kafka.traces_format))
+    source = read_traces(traces_path, trace_format(config))
     for bad in source.bad[:_SHOWN_BAD_LINES]:
         print(f"combee-stream learn: {traces_path}:{bad.line}: {bad.reason}", file=stderr)
     if len(source.bad) > _SHOWN_BAD_LINES:
