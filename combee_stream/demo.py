@@ -41,7 +41,7 @@ from combee_stream.logs import configure_logging
 from combee_stream.prompts_cli import seed_prompt
 from combee_stream.schemas import PromptUpdate
 from combee_stream.sim import LatencyModel, SimSettings, sim_server, simulated_llm
-from combee_stream.sim.tasks import sim_tasks, task_traces
+from combee_stream.sim.tasks import INJECTION, sim_tasks, task_traces
 
 
 def register(sub: Any) -> None:
@@ -57,7 +57,10 @@ def register(sub: Any) -> None:
     # the simulated demo
     parser.add_argument("--traces", type=int, default=120, help="--sim: synthetic traces to send")
     parser.add_argument("--keys", type=int, default=2, help="--sim: keys")
-    parser.add_argument("--lessons", type=int, default=12, help="--sim: distinct lessons per key")
+    # Six lessons a key: the gate's held-out tasks (about 18 a key) then cover every lesson, so
+    # a wrong rule for any case meets a task it breaks. With 12, one case in five had no
+    # held-out task and its poison passed the gate (what a replay gate can and cannot see).
+    parser.add_argument("--lessons", type=int, default=6, help="--sim: distinct lessons per key")
     parser.set_defaults(handler=_demo)
 
 
@@ -119,11 +122,14 @@ async def _sim_demo(args: argparse.Namespace, config: Config) -> int:
     say("1. the simulated-LLM demo (no real model: every number below is simulated)")
     cfg = await _fresh_kafka(config)
     kafka = cfg.kafka
-    # Failed runs of simulated tasks with their ground truth; a tenth of the later ones carry
-    # a wrong rule (poison) that the publish gate must keep out of the prompts.
+    # Failed runs of simulated tasks with their ground truth. A tenth of the later ones are
+    # hostile: half carry a wrong rule (poison) that the publish gate must keep out of the
+    # prompts, half an instruction injected into the feedback (a link to send customer data
+    # to) that the default content policy must refuse.
     tasks = sim_tasks(args.traces, args.keys, args.lessons, seed=7)
     late = tasks[len(tasks) // 2 :]
-    traces = task_traces(tasks, seed=7, poisoned={t.id for t in late[:: max(1, len(late) // 6)]})
+    hostile = [t.id for t in late[:: max(1, len(late) // 6)]]
+    traces = task_traces(tasks, seed=7, poisoned=set(hostile[::2]), injected=set(hostile[1::2]))
     keys = sorted({t.key for t in traces})
     settings = SimSettings(seed=7, latency=LatencyModel(base_s=0.3, per_output_token_s=0.002))
     async with AsyncExitStack() as stack:
@@ -156,9 +162,13 @@ async def _sim_demo(args: argparse.Namespace, config: Config) -> int:
                 await _show_dead_letter(kafka)
                 say("5. prompt versions as the engine publishes them:")
                 learned = dict.fromkeys(keys, 0)
+                refused = pruned = 0
                 want = {k: sum(t.key == k for t in traces) for k in keys}
                 with anyio.move_on_after(180):
                     async for update in prompts:
+                        refused += update.stats.skipped.get("policy", 0)
+                        if update.stats.gate is not None:
+                            pruned += len(update.stats.gate.pruned)
                         learned[update.key] += update.stats.window_traces + len(
                             update.stats.held_out
                         )
@@ -171,10 +181,23 @@ async def _sim_demo(args: argparse.Namespace, config: Config) -> int:
                         if all(learned[k] >= want[k] for k in keys):
                             break
             engine.stop()
+        say(
+            f"   the content policy refused {refused} proposed bullet(s) carrying an injection; "
+            f"the gate left out {pruned} new bullet(s) cited on held-out tasks they broke"
+        )
         newest = prompts.latest(keys[0])
         if newest is not None:
-            say(f"6. the newest prompt of {newest.key} (v{newest.version}):\n")
+            say(f"6. the prompt agents of {newest.key} are served (v{newest.version}):\n")
             say(newest.prompt)
+            served = [
+                line
+                for line in newest.prompt.splitlines()
+                if "poison." in line or "inject." in line or INJECTION in line
+            ]
+            say(
+                f"\nhostile bullets in the served prompt: {len(served)}"
+                + ("" if not served else " (the gate's held-out tasks missed their cases)")
+            )
     say("\nThe broker keeps running: `combee-stream kafka stop` stops it.")
     return 0
 
