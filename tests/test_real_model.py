@@ -7,12 +7,14 @@ the memo on a real reply, a full learner window producing a valid playbook, and 
 run of the example agent. The model is tiny and weak, so nothing here looks at what it wrote,
 only at the shape.
 
-Why the roles set ``max_string_chars`` / ``max_list_items``: the grammar llama.cpp derives from
-a JSON Schema fixes the shape but not the length. With unbounded strings and arrays, SmolLM2 at
-temperature 0 loops (``"15% of 80% of 20% of ..."``, one more operation after another) until
-``max_tokens`` cuts the JSON, and every re-ask loops the same way. The LLM layer adds the bounds
-to the schema it sends (replies are still validated against the full types), so every reply ends
-well inside ``max_tokens``.
+The roles are exactly those ``local_llm_config`` gives a local model (what ``bench quality``,
+``demo`` and ``llm serve`` users run), not smaller ones. Why it sets ``max_string_chars`` /
+``max_list_items``: the grammar llama.cpp derives from a JSON Schema fixes the shape but not the
+length. With unbounded strings and arrays, SmolLM2 at temperature 0 loops (``"15% of 80% of 20%
+of ..."``, one more operation after another) until ``max_tokens`` cuts the JSON, and every
+re-ask loops the same way. The LLM layer adds the bounds to the schema it sends (replies are
+still validated against the full types) and derives each request's ``max_tokens`` from them, so
+a reply the grammar allows always fits.
 
 Needs the llama-server build and the model (``make llm-prepare``, i.e. ``combee-stream llm
 prepare --model smollm2-135m``): skipped without them, failed when CI=true. Run alone with
@@ -40,6 +42,7 @@ from combee_stream.core.learner import Learner, WindowResult
 from combee_stream.core.llm import ChatMessage, Completion, LLMClient, RoleUsage
 from combee_stream.core.playbook import new_playbook, render
 from combee_stream.localllm.build import is_built
+from combee_stream.localllm.server import LocalServer, local_llm_config
 from combee_stream.schemas import (
     Feedback,
     Playbook,
@@ -56,15 +59,6 @@ REPO: Final = Path(__file__).resolve().parent.parent
 STATE: Final = REPO / ".state" / "llm"
 MODEL: Final = "smollm2-135m"
 KEY: Final = "smoke"
-# Above the longest reply the bounded schemas allow in practice (about 600 characters).
-MAX_TOKENS: Final = 400
-# The agent's reply has five bounded strings (reasoning, two bullet ids, expression, answer):
-# at most about 5 x 120 characters plus the JSON around them, and SmolLM2 spends up to one
-# token per character on digits. A budget above that worst case means a reply is never cut,
-# whatever the machine's floating point makes the model write (with 200 characters and 400
-# tokens, one CI run on other hardware had a task get no answer, most likely a reply cut short).
-AGENT_MAX_CHARS: Final = 120
-AGENT_MAX_TOKENS: Final = 1000
 BULLET_ID: Final = re.compile(r"^[a-z]+-\d{5}$")
 
 Name = Annotated[str, msgspec.Meta(pattern=r'^[^\x00-\x1f"\\]{1,32}$')]
@@ -112,29 +106,10 @@ def llama_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def llm_config(url: str) -> LLMConfig:
-    role = {
-        "base_url": f"{url}/v1",
-        "model": MODEL,
-        "mode": "json_object",
-        "temperature": 0.0,
-        "max_tokens": MAX_TOKENS,
-        "max_string_chars": 64,
-        "max_list_items": 2,
-        "api_key_env": "COMBEE_REALMODEL_NO_KEY",  # a local server takes any key
-    }
-    # Through msgspec.convert, so the config is validated as a loaded file would be. One
-    # request at a time: llama.cpp serializes them anyway, and queueing would eat the timeout.
-    return msgspec.convert(
-        {
-            "reflector": role,
-            "curator": role,
-            "combiner": role,
-            "concurrency": 1,
-            "timeout_s": 300.0,  # a contended 2-core machine decodes at ~10 tok/s
-            "max_attempts": 3,
-        },
-        LLMConfig,
-    )
+    """The roles exactly as ``local_llm_config`` sets them for a local model (its bounds and
+    the caps derived from them), one request at a time: llama.cpp serializes them anyway."""
+    server = LocalServer(model=MODEL, base_url=f"{url}/v1", log_path="", parallel=1)
+    return local_llm_config(server, LLMConfig(timeout_s=300.0))
 
 
 def traces() -> list[Trace]:
@@ -247,13 +222,14 @@ def test_learner_window_on_real_model_yields_valid_playbook(llama_url: str) -> N
 @pytest.mark.realmodel
 @pytest.mark.timeout(900)
 def test_eval_runs_the_example_agent_on_the_real_model(llama_url: str) -> None:
+    agent = llm_config(llama_url).agent  # the local model's own agent settings
     role = {
-        "BASE_URL": f"{llama_url}/v1",
+        "BASE_URL": agent.base_url,
         "MODEL": MODEL,
-        "MODE": '"json_object"',
-        "MAX_TOKENS": str(AGENT_MAX_TOKENS),
-        "MAX_STRING_CHARS": str(AGENT_MAX_CHARS),
-        "MAX_LIST_ITEMS": "2",
+        "MODE": f'"{agent.mode}"',
+        "MAX_TOKENS": str(agent.max_tokens),
+        "MAX_STRING_CHARS": str(agent.max_string_chars),
+        "MAX_LIST_ITEMS": str(agent.max_list_items),
     }
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMBEE__")}
     env.update({f"COMBEE__LLM__AGENT__{k}": v for k, v in role.items()})
