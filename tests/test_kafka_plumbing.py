@@ -438,6 +438,16 @@ def test_cli_produce_validates_and_subscribe_once(
     lines = [json.loads(line) for line in once.stdout.splitlines()]
     assert [(u["key"], u["version"], u["prompt"]) for u in lines] == [("k1", 0, "Be precise.")]
 
+    # One default label for every reader: production, pinned here below the newest version.
+    seed.write_text("Be precise and brief.")
+    assert run_cli("prompts", "set", "k1", str(seed), "--force", env_extra=env).returncode == 0
+    pinned = run_cli("prompts", "promote", "k1", "--version", "0", env_extra=env)
+    assert pinned.returncode == 0, pinned.stderr
+    served = run_cli("subscribe", "--once", env_extra=env)
+    newest = run_cli("subscribe", "--once", "--label", "latest", env_extra=env)
+    assert [json.loads(line)["version"] for line in served.stdout.splitlines()] == [0]
+    assert [json.loads(line)["version"] for line in newest.stdout.splitlines()] == [1]
+
 
 def test_schema_command_prints_json_schema() -> None:
     out = run_cli("schema", "trace")

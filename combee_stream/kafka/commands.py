@@ -44,8 +44,8 @@ def register(sub: Any) -> None:
     which.add_argument(
         "--label",
         default=None,
-        help="the version a label points at (production, latest, candidate, ...; default: "
-        "the newest)",
+        help="the version a label points at (default: production, what PromptClient serves; "
+        "latest: the engine's newest version; candidate, ...)",
     )
     which.add_argument("--version", type=int, default=None, help="a pinned version")
     subscribe.add_argument(
@@ -126,7 +126,9 @@ async def _subscribe(args: argparse.Namespace, config: Config) -> int:
     keys = set(args.key) if args.key else None
     out = sys.stdout
     async with PromptSubscriber(
-        config.kafka, keys=keys, label=args.label, version=args.version, session=args.session,
+        config.kafka, keys=keys, version=args.version, session=args.session,
+        # One default for every way of reading prompts: production (PromptClient's too).
+        label=args.label or (None if args.version is not None else "production"),
         canary_secret=secret(config.gate.canary_secret_env),
     ) as prompts:  # fmt: skip
         served = (prompts.latest(k) for k in sorted(prompts.snapshot()))
