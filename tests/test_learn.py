@@ -158,8 +158,12 @@ def test_combee_retains_clearly_more_lessons_than_naive_under_overload(tmp_path:
         check_history(out, traces)
         retained[strategy] = score(traces, load_playbooks(out)).lessons_retained
         largest[strategy] = report.max_curator_items
-    # Overload C=12: one call over 40 distinct lessons keeps floor(144/40) = 3 of them per window.
-    assert retained["naive"] == 9
+    # Counted from the traces sent, not from the simulator's overload formula: every lesson is
+    # one the stream taught; a single curator call over 40 of them loses most (the premise, so
+    # the comparison means something), Combee's small groups keep nearly all.
+    sent = {lesson.id for t in traces for lesson in find_lessons(t.feedback.text or "")}
+    assert len(sent) == 120
+    assert retained["naive"] < len(sent) // 2
     assert retained["combee"] >= 3 * retained["naive"]
     assert retained["combee"] >= 100
     assert largest == {"naive": 40, "combee": 14}
