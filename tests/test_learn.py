@@ -327,6 +327,10 @@ def test_bad_lines_are_reported_with_numbers_and_skipped(
     summary = json.loads(captured.out.strip().splitlines()[-1])
     assert summary["learned"] == 10 and summary["bad_lines"] == 2
     assert summary["duplicate_traces"] == 1
+    # Ten reflections; the simulator's cache serves the prompt head they share after the first.
+    reflector = summary["per_role"]["reflector"]
+    assert reflector["calls"] == 10 and reflector["truncated_replies"] == 0
+    assert 0 < reflector["tokens_cached"] < reflector["tokens_in"]
     report = json.loads((out / "report.json").read_text())
     assert [b["line"] for b in report["bad"]] == [11, 12, 13]
     check_history(out, traces)

@@ -67,6 +67,18 @@ async def handle(args: argparse.Namespace, config: Config) -> int:
         "bad_lines": report.bad_lines,
         "duplicate_traces": report.duplicate_traces,
         "versions": report.versions,
+        # Per role: replies cut at max_tokens or refused by the schema, and the prompt tokens
+        # the server served from its cache (report.json has every counter).
+        "per_role": {
+            role: {
+                "calls": u.calls,
+                "tokens_in": u.tokens_in,
+                "tokens_cached": u.tokens_cached,
+                "truncated_replies": u.truncated_replies,
+                "invalid_replies": u.invalid_replies,
+            }
+            for role, u in sorted(report.per_role.items())
+        },
     }
     print(json.dumps(summary))
     if report.failed:
