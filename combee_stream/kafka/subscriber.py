@@ -21,6 +21,10 @@ iterating yields an update whenever the version served changes (a new version wh
 follows latest, a promotion, a rollback). Without either it is the newest version (the engine's
 restore and ``inspect`` read it so). Given a ``session`` id, a subscriber asking for production
 is served the candidate while a live canary runs and the session hashes into its share.
+
+A topic it reads that does not exist, or is deleted while it runs, raises
+:class:`~combee_stream.kafka.reader.TopicMissingError` (within seconds: it never waits on a
+topic that is gone); ``PromptClient`` and ``subscribe`` back off and try again.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from combee_stream.errors import DecodeError
 from combee_stream.kafka.client import partitions_of, start_client
 from combee_stream.kafka.history import KeyHistory, parse, partition_of, resolve
 from combee_stream.kafka.reader import (
+    TopicWatch,
     assign_from_start,
     content_digest,
     decode_update,
@@ -46,6 +51,13 @@ from combee_stream.logs import get_logger
 from combee_stream.schemas import Labels, PromptUpdate
 
 log = get_logger(__name__)
+
+# What a missing topic means to a reader of prompts: never created, or deleted.
+MISSING_HINT = (
+    ": no engine has published here yet (`combee-stream topics create` creates it), or it was "
+    "deleted (then the engine's state is lost: `combee-stream run` says how to recover)"
+)
+DELETED_HINT = " (the engine's state is lost: `combee-stream run` says how to recover)"
 
 
 class PromptSubscriber:
@@ -82,6 +94,8 @@ class PromptSubscriber:
         self.ignored_stale = 0
         self.forks: list[tuple[str, int]] = []  # (key, version) seen twice with other content
         self._consumer = reading_consumer(cfg, env)
+        self._watch = TopicWatch(self._consumer)
+        self._topics = [cfg.prompts_topic]  # and the history topic, when it serves labels
 
     async def __aenter__(self) -> Self:
         await start_client(self._consumer, self._cfg)
@@ -113,7 +127,7 @@ class PromptSubscriber:
             self._consumer,
             self._topic,
             partitions,
-            hint=": run `combee-stream topics create`",
+            hint=MISSING_HINT,
             partitions_hint=": traces and prompts topics must be co-partitioned",
         )
         if self._labeled and not await partitions_of(self._consumer, self._cfg.history_topic):
@@ -129,7 +143,8 @@ class PromptSubscriber:
             self._consumer.assign([*tps, *history])
             await self._consumer.seek_to_beginning(*tps, *history)
             tps = [*tps, *history]
-        async for batch in until_end(self._consumer, tps, self._poll_timeout_ms):
+            self._topics.append(self._cfg.history_topic)
+        async for batch in until_end(self._consumer, tps, self._poll_timeout_ms, hint=DELETED_HINT):
             for record in batch:
                 self._accept(record)
         for key in self._history.keys() | self._latest.keys():
@@ -140,6 +155,8 @@ class PromptSubscriber:
     async def _poll(self) -> list[PromptUpdate]:
         accepted: list[PromptUpdate] = []
         batches = await self._consumer.getmany(timeout_ms=self._poll_timeout_ms)
+        if not batches:  # quiet, or a topic gone (aiokafka would wait on it for ever)
+            await self._watch.check(self._topics, DELETED_HINT)
         for records in batches.values():
             for record in records:
                 update = self._accept(record)
@@ -231,4 +248,4 @@ def _differs(a: PromptUpdate, b: PromptUpdate) -> bool:
     return content_digest(a) != content_digest(b)
 
 
-__all__ = ["PromptSubscriber"]
+__all__ = ["DELETED_HINT", "MISSING_HINT", "PromptSubscriber"]
