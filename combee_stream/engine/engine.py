@@ -36,6 +36,7 @@ holds back neither the others nor the exit.
 
 from __future__ import annotations
 
+import math
 import signal
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
@@ -100,8 +101,8 @@ class Engine:
 
     ``gate``: a publish gate of your own instead of the one ``config.gate`` asks for. Raises
     :class:`~combee_stream.errors.EngineHalted` when it stopped itself (the broker unreachable
-    past ``engine.broker_deadline_s``), and ``MissingEndpointError`` at construction when an LLM
-    role it needs has no endpoint."""
+    past ``engine.broker_deadline_s``, or a topic of its deleted: ``TopicLostError``), and
+    ``MissingEndpointError`` at construction when an LLM role it needs has no endpoint."""
 
     def __init__(
         self,
@@ -161,8 +162,10 @@ class Engine:
         self._restore_send, self._restore_recv = anyio.create_memory_object_stream[int](1000)
         self._tg: TaskGroup | None = None
         self._stopping = anyio.Event()
-        # Bounds intake and the flush once stop() is called (its deadline set then).
-        self._grace = anyio.CancelScope()
+        # Bounds intake and the flush once stop() is called (made in run(): a scope needs the
+        # event loop, and an Engine may be made before it runs).
+        self._grace: anyio.CancelScope | None = None
+        self._drain_by = math.inf  # when the flush is given up, once stop() was called
         self._stop_by: float | None = None  # when run() has returned, once stop() was called
         self.started = anyio.Event()
 
@@ -176,7 +179,9 @@ class Engine:
             return
         grace, now = self.config.engine.shutdown_grace_s, anyio.current_time()
         self._stop_by = now + grace - exit_reserve_s(grace)
-        self._grace.deadline = now + grace - close_reserve_s(grace)
+        self._drain_by = now + grace - close_reserve_s(grace)
+        if self._grace is not None:
+            self._grace.deadline = self._drain_by
         self._stopping.set()
 
     async def run(self) -> None:
@@ -212,7 +217,7 @@ class Engine:
                     guarantee=cfg.engine.processing_guarantee,
                     strategy=cfg.learning.strategy,
                 )
-                with self._grace:
+                with anyio.CancelScope(deadline=self._drain_by) as self._grace:
                     await self._intake.run(tg, self._stopping)
                     await self._drain()
                 if self._grace.cancelled_caught:
@@ -248,7 +253,7 @@ class Engine:
 
         with anyio.move_on_after(max(0.0, by - now)):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(close, "consumer", self._close_consumer)
+                tg.start_soon(close, "consumer", lambda: self._close_consumer((by - now) / 2))
                 tg.start_soon(close, "producers", self._publisher.close)
                 tg.start_soon(close, "fetcher", self._fetcher.aclose)
         if open_clients:
@@ -263,8 +268,11 @@ class Engine:
         self.metrics.health.assigned = False
         log.info("engine stopped")
 
-    async def _close_consumer(self) -> None:
-        await self._commit(final=True)
+    async def _close_consumer(self, commit_s: float) -> None:
+        """The final commit (within ``commit_s``: with the broker gone it would take the whole
+        bound), then the consumer's stop, which must start to leave the group."""
+        with anyio.move_on_after(commit_s):
+            await self._commit(final=True)
         await stop_quietly(self._consumer)
 
     async def _drain(self) -> None:
@@ -358,8 +366,14 @@ class Engine:
                 # Streamed: a few numbers per key are kept, never every key's update (a key's
                 # update is read back when it becomes active). An undecodable record halts.
                 kafka, partition = self.config.kafka, state.partition
-                newest, forks = await index_partition(kafka, partition, self._env)
-                horizons = await index_horizons(kafka, partition, self._env)
+                horizons: dict[str, HorizonAt] = {}
+
+                async def read_horizons() -> None:
+                    horizons.update(await index_horizons(kafka, partition, self._env))
+
+                async with anyio.create_task_group() as reads:  # two topics, read at once
+                    reads.start_soon(read_horizons)
+                    newest, forks = await index_partition(kafka, partition, self._env)
                 none = HorizonAt(offset=-1, version=-1)
                 state.index = {
                     key: KeyIndex(

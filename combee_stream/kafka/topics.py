@@ -232,10 +232,12 @@ async def ensure_topics(cfg: KafkaConfig, env: Mapping[str, str] | None = None) 
     """Create missing topics, verify existing ones. Returns {topic: "created" | "exists"}.
 
     Idempotent. Raises TopicMismatchError when existing topics break co-partitioning, the
-    prompts or history topic is not compacted, or the prompts, history or traces topic takes
-    less than ``kafka.max_message_bytes``; and StateLostError instead of recreating a lost
-    prompts topic under a consumer group that has (or may have) made progress. Warns when the
-    DLQ's retention differs from ``kafka.dlq_retention_ms`` or the broker auto-creates topics.
+    prompts, history or dedup topic is not compacted, or the prompts, history or traces topic
+    takes less than ``kafka.max_message_bytes`` (the dedup topic: :func:`dedup_max_bytes`);
+    and StateLostError instead of recreating a lost prompts topic under a consumer group that
+    has (or may have) made progress. Warns when the DLQ's retention differs from
+    ``kafka.dlq_retention_ms``, the broker auto-creates topics, or the dedup topic is created
+    next to an existing prompts topic (an upgrade, or it was deleted).
     """
     specs = topic_specs(cfg)
     admin = AIOKafkaAdminClient(**client_kwargs(cfg, env))
