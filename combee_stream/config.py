@@ -50,7 +50,9 @@ class KafkaConfig(_Section):
     # co-partitioned, written in the same transaction as each version, so a re-send is
     # recognised after a restart, an eviction or a rebalance. Empty: the prompts topic's name
     # + ".dedup" (it is part of that topic's state, so a config that names its own prompts
-    # topic gets its own dedup topic too).
+    # topic gets its own dedup topic too). A topic of its own rather than the versions' ids
+    # gathered back through the history: the history keeps kafka.history_versions versions
+    # (that many windows, not dedup_horizon ids) and a key's restore would read one per version.
     dedup_topic: str = ""
     # Versions kept per key in the history topic (older ones are deleted by compaction).
     history_versions: Positive = 50
