@@ -24,6 +24,10 @@ from combee_stream.errors import ConfigError
 ENV_PREFIX = "COMBEE__"
 # Where the engine and the agents' SDK find the key of the live canary's split by default.
 CANARY_SECRET_ENV = "COMBEE_CANARY_SECRET"
+# The largest dedup record (engine.dedup_horizon at its bound: 8-byte digests, base64 in JSON,
+# with the key and framing), the dedup topic's max.message.bytes when kafka.max_message_bytes
+# is lower: a key's horizon never competes with the playbooks for that bound.
+DEDUP_RECORD_BYTES = 1_000_000
 
 Port = Annotated[int, Meta(ge=1, le=65535)]
 Positive = Annotated[int, Meta(ge=1)]
@@ -44,6 +48,14 @@ class KafkaConfig(_Section):
     # Every version of every key (for a retention), its labels and their moves; compacted and
     # co-partitioned with the prompts topic (written by the engine in the same transaction).
     history_topic: str = "combee.history"
+    # Per key, the last engine.dedup_horizon trace ids learned (as 8-byte digests): compacted,
+    # co-partitioned, written in the same transaction as each version, so a re-send is
+    # recognised after a restart, an eviction or a rebalance. Empty: the prompts topic's name
+    # + ".dedup" (it is part of that topic's state, so a config that names its own prompts
+    # topic gets its own dedup topic too). A topic of its own rather than the versions' ids
+    # gathered back through the history: the history keeps kafka.history_versions versions
+    # (that many windows, not dedup_horizon ids) and a key's restore would read one per version.
+    dedup_topic: str = ""
     # Versions kept per key in the history topic (older ones are deleted by compaction).
     history_versions: Positive = 50
     # Outcomes sent after the run (FeedbackRecord, keyed by trace id); joined by the ingest stage.
@@ -72,6 +84,10 @@ class KafkaConfig(_Section):
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
     sasl_username_env: str = "COMBEE_KAFKA_USERNAME"
     sasl_password_env: str = "COMBEE_KAFKA_PASSWORD"
+
+    @property
+    def dedup_topic_name(self) -> str:
+        return self.dedup_topic or f"{self.prompts_topic}.dedup"
 
 
 class BrokerConfig(_Section):
@@ -236,16 +252,28 @@ class EngineConfig(_Section):
     # Keys with metric series of their own (the first seen, until evicted); the others are
     # counted under key="(other)", so /metrics stays bounded in the number of keys.
     key_metric_series: Annotated[int, Meta(ge=0)] = 100
-    # Per key, a trace id seen among the last this many (or in the restored version) is
-    # skipped as a duplicate: producers retry, agents re-send. Memory: about (115 + id length)
-    # bytes per id per active (not evicted) key: 10,000 UUIDs ~ 1.5 MB a key, 1,000 active
-    # keys ~ 1.5 GB; lower it (or engine.key_idle_s) for many keys.
-    dedup_horizon: Positive = 10_000
+    # Per key, a trace id among the last this many handed to it is skipped as a duplicate:
+    # producers retry, agents re-send. The last this many learned are kept on the dedup topic
+    # (kafka.dedup_topic) and read back with the key's version after a restart, an eviction or
+    # a rebalance. Ids are held as 8-byte digests, whatever their length. Memory: about 130
+    # bytes per id per active (not evicted) key: 10,000 ids ~ 1.3 MB a key, 1,000 active keys
+    # ~ 1.3 GB; an evicted key costs nothing of it. On the topic: a record of about 11 bytes
+    # per id per key (107 KB at 10,000), rewritten with every version. Lower it (or
+    # engine.key_idle_s) for many keys. At most 90,000: a record must fit the dedup topic's
+    # max.message.bytes (DEDUP_RECORD_BYTES, under the broker's default 1 MB).
+    dedup_horizon: Annotated[int, Meta(ge=1, le=90_000)] = 10_000
     # While Kafka cannot be written (publish, DLQ) or read (restore), the engine retries with
     # capped backoff and reports not ready; after this many seconds of continuous failure it
     # stops with a non-zero exit, having committed nothing it did not publish. 0 = wait forever.
     broker_deadline_s: Annotated[float, Meta(ge=0)] = 300.0
+    # SIGTERM (or stop()) ends the engine within this: open windows are flushed and in-flight
+    # ones publish until this less the time kept for closing the Kafka clients (a quarter of
+    # it, at most 5 s); what is left unpublished is read again by the next owner.
     shutdown_grace_s: PositiveFloat = 30.0
+    # How often the engine checks that its topics still exist (one metadata request): a topic
+    # deleted under it (its state, the prompts topic above all) stops it within two checks,
+    # instead of retrying for engine.broker_deadline_s against a topic that is gone.
+    topic_check_s: PositiveFloat = 2.0
     metrics_host: str = "127.0.0.1"
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] = 9464  # 0 = no metrics server
 

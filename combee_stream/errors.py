@@ -7,7 +7,10 @@ CombeeError
 │   ├── MissingEndpointError   an LLM role has no endpoint (core.llm)
 │   ├── BrokerError            the local broker could not be assembled or started (kafka.broker)
 │   ├── TopicMismatchError     a topic exists with settings the engine cannot run on (kafka.topics)
-│   └── StateLostError         the prompts topic is gone under committed progress (kafka.topics)
+│   ├── StateLostError         the prompts topic is gone under committed progress, at start
+│   │                          (kafka.topics)
+│   └── TopicMissingError      a topic a reader needs does not exist, or was deleted while it
+│                              read (kafka.reader: subscribers, PromptClient, `subscribe`)
 ├── DecodeError                a record failed to decode or validate (also a ValueError)
 │   └── SchemaVersionError     a record names a schema version this build does not know
 ├── LLMCallError               an LLM call failed for good (core.llm)
@@ -16,7 +19,9 @@ CombeeError
 ├── CalculatorError            the example agent's calculator refused an expression (agent)
 └── EngineHalted               the engine stopped itself; the CLI prints it, exit code 1
     ├── BrokerUnavailableError the broker could not be written or read past the deadline
-    └── UndecodableStateError  a prompts-topic record cannot be decoded at restore (kafka.reader)
+    ├── UndecodableStateError  a prompts-topic record cannot be decoded at restore (kafka.reader)
+    └── TopicLostError         a topic of the engine's was deleted while it ran: its state lost
+                               (kafka.topics)
 ```
 
 The subclasses live beside the code that raises them and are re-exported where the public API

@@ -356,6 +356,19 @@ class PromptUpdate(_Record, omit_defaults=True):
     schema: int = SCHEMA_VERSION
 
 
+class DedupHorizon(_Record):
+    """The trace ids a key learned last (the dedup topic's record, keyed by ``key``), so a
+    re-send is recognised after a restart, an eviction or a rebalance. Written in the same
+    transaction as ``version``; ``ids`` packs 8-byte BLAKE2b digests of the trace ids
+    (oldest first, at most ``engine.dedup_horizon``): a fixed size per id, whatever its
+    length (base64 in JSON)."""
+
+    key: Key
+    version: NonNegative  # the version it was written with (it covers that version's ids)
+    ids: bytes = b""
+    schema: int = SCHEMA_VERSION
+
+
 class Labels(_Record):
     """A key's movable labels (the history topic's ``KEY#labels`` record). ``production`` is
     what agents get by default: None means it follows the newest version (``latest``); a
@@ -469,6 +482,7 @@ __all__ = [
     "BulletTag",
     "Consolidation",
     "DecodeError",
+    "DedupHorizon",
     "Delta",
     "Feedback",
     "FeedbackRecord",

@@ -416,7 +416,7 @@ def test_cli_produce_validates_and_subscribe_once(
     }
     created = run_cli("topics", "create", env_extra=env)
     assert created.returncode == 0, created.stderr
-    assert created.stdout.count(": created") == 4
+    assert created.stdout.count(": created") == 5  # the dedup topic too
 
     good = tmp_path / "good.jsonl"
     good.write_text("\n".join(encode(make_trace("k1", i)).decode() for i in range(3)) + "\n")

@@ -3,10 +3,11 @@
 ``async with PromptClient(config.kafka, "support-bot", snapshot=Path("prompt.json")) as p:``
 reads the key's newest version from the compacted prompts topic, then follows new versions in
 the background (one task, scoped to the block). ``p.current()`` returns the newest prompt known,
-at once, with its version and bullet ids. The broker may go away: the client keeps serving the
-last version it had and reconnects with backoff. Every new version is written to the snapshot
-file, so an agent that starts while the broker is unreachable serves the snapshot (or, without
-one, the fallback prompt you give) and says so in ``Prompt.source``.
+at once, with its version and bullet ids. The broker may go away, or the prompts topic (deleted:
+the engine's state lost): the client keeps serving the last version it had, says which topic is
+missing, and reconnects with backoff (the one retry policy). Every new version is written to
+the snapshot file, so an agent that starts while the broker is unreachable serves the snapshot
+(or, without one, the fallback prompt you give) and says so in ``Prompt.source``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from msgspec import Struct
 
 from combee_stream.config import KafkaConfig
 from combee_stream.errors import DecodeError, UserError
+from combee_stream.kafka.reader import TopicMissingError
 from combee_stream.kafka.subscriber import PromptSubscriber
 from combee_stream.logs import get_logger
 from combee_stream.retry import RetryPolicy
@@ -84,9 +86,13 @@ class PromptClient:
         self._current = self._fallback
         self._changed = anyio.Event()
         self._caught_up = anyio.Event()
+        # Set once the first attempt has an answer: caught up, or a topic missing (waiting the
+        # connect timeout for a topic that is not there serves nothing better).
+        self._answered = anyio.Event()
         self._tg: TaskGroup | None = None
         self._rng = random.Random()
         self.connected = False
+        self.missing: str | None = None  # the topic found missing at the last attempt
 
     async def __aenter__(self) -> Self:
         snapshot = self._read_snapshot()
@@ -95,13 +101,14 @@ class PromptClient:
         self._tg = await anyio.create_task_group().__aenter__()
         self._tg.start_soon(self._follow)
         with anyio.move_on_after(self._connect_timeout_s):
-            await self._caught_up.wait()
+            await self._answered.wait()
         if not self._caught_up.is_set():
             log.warning(
                 "prompts topic unreachable: serving the last known prompt",
                 key=self.key,
                 source=self._current.source,
                 version=self._current.version,
+                missing=self.missing,
             )
         return self
 
@@ -153,18 +160,31 @@ class PromptClient:
                     session=self.session, canary_secret=self._canary_secret,
                 ) as sub:  # fmt: skip
                     self.connected = True
+                    self.missing = None
                     attempt = 0
                     latest = sub.latest(self.key)
                     if latest is not None:
                         self._accept(latest)
                     self._caught_up.set()
+                    self._answered.set()
                     async for update in sub:
                         self._accept(update)
             except (KafkaError, UserError, OSError) as exc:
                 self.connected = False
                 attempt += 1
                 delay = RECONNECT.delay(attempt, self._rng)
-                log.warning("prompts topic unreachable, retrying", key=self.key, error=str(exc))
+                if isinstance(exc, TopicMissingError):
+                    self.missing = exc.topic
+                    self._answered.set()
+                    log.warning(
+                        "prompts topic missing: serving the last known prompt, retrying",
+                        key=self.key,
+                        topic=exc.topic,
+                        error=str(exc),
+                        retry_s=round(delay, 1),
+                    )
+                else:
+                    log.warning("prompts topic unreachable, retrying", key=self.key, error=str(exc))
                 await anyio.sleep(delay)
 
     def _read_snapshot(self) -> Prompt | None:

@@ -46,9 +46,11 @@ from combee_stream.core.learner import (
 from combee_stream.core.prompts import ReflectionRecord
 from combee_stream.core.versions import (
     KeyChain,
+    Restored,
     UpdateTooLarge,
     WindowInfo,
     revert_onto,
+    trace_digest,
     update_bytes,
 )
 from combee_stream.logs import get_logger
@@ -157,19 +159,20 @@ class KeyPipeline:
         inbox: MemoryObjectReceiveStream[Pending],
         settings: PipelineSettings,
         *,
-        loader: Callable[[], Awaitable[PromptUpdate | None]] | None = None,
+        loader: Callable[[], Awaitable[Restored | None]] | None = None,
         duplicate: Callable[[Pending], None] | None = None,
     ) -> None:
         self.chain = chain
-        # Reads the key's newest version back (the engine keeps only where it is); run() waits
-        # for it before the first reflection, so nothing is learned on an empty playbook.
+        # Reads the key's newest version (and dedup horizon) back (the engine keeps only where
+        # they are); run() waits for it before the first reflection, so nothing is learned on
+        # an empty playbook.
         self._loader = loader
         # The driver skips a trace id its chain has seen; the traces it handed over while the
         # version was being read were checked without that version's ids: run() checks those
         # again once it is read and hands a re-sent one back here (learned already).
         self._duplicate = duplicate
         self._unchecked = 0
-        self._restored_ids: frozenset[str] = frozenset()
+        self._restored_ids: frozenset[int] = frozenset()  # digests (versions.trace_digest)
         self._window_open = False
         self._windows_in_flight = 0
         self.last_active = anyio.current_time()
@@ -195,12 +198,10 @@ class KeyPipeline:
                 if self._loader is not None:
                     restored = await self._loader()
                     if restored is not None:
-                        self.chain.restore(restored)
+                        ids = self.chain.restore(restored.update, restored.horizon, restored.covers)
                         # No await since the read: exactly these were routed before it.
                         self._unchecked = self._inbox.statistics().current_buffer_used
-                        # What KeyChain.restore remembers of the version.
-                        stats = restored.stats
-                        self._restored_ids = frozenset((*stats.trace_ids, *stats.held_out))
+                        self._restored_ids = frozenset(ids)
                 async with anyio.create_task_group() as tg:
                     await self._assemble(tg)
             finally:
@@ -246,7 +247,8 @@ class KeyPipeline:
                     closing = True
             if item is not None and self._unchecked:
                 self._unchecked -= 1
-                if item.trace.trace_id in self._restored_ids and self._duplicate is not None:
+                known = trace_digest(item.trace.trace_id) in self._restored_ids
+                if known and self._duplicate is not None:
                     self._duplicate(item)
                     item = None
                 if not self._unchecked:

@@ -18,7 +18,13 @@ Decisions:
   a trace at or below the watermark is never handed to a window again, and a trace id the chain
   has already seen (:meth:`KeyChain.seen`) is skipped: producers retry and agents re-send.
   The horizon of that check is bounded: the last ``horizon`` trace ids the driver handed to the
-  key, plus the ids of the version it restored.
+  key. Its durable part, the last ``horizon`` ids the key's versions learned
+  (:attr:`KeyChain.horizon`, :meth:`KeyChain.horizon_after`), is what the driver keeps with
+  each version (the engine: the dedup topic, in the version's transaction) and hands back to
+  :meth:`KeyChain.restore`, so a restart, an eviction or a rebalance forgets nothing of it.
+  Ids are held as 8-byte BLAKE2b digests (:func:`trace_digest`): the same size whatever an id's
+  length, and a false match (a new trace taken for a re-send) has a chance of about
+  ``horizon / 2**64`` per trace.
 - **Size.** :func:`update_bytes` is what publishing a version costs the broker: the larger of
   its two record batches (the prompts record keyed ``KEY``, the history record keyed
   ``KEY@VERSION``, the same encoded update in both), framing included. Every driver bounds a
@@ -29,7 +35,9 @@ Decisions:
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter, OrderedDict
+from collections.abc import Iterable, Iterator
 from typing import Final
 
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
@@ -86,6 +94,34 @@ class WindowInfo(Struct, frozen=True, kw_only=True):
     reverted_to: int | None = None  # committed onto this version's playbook (see revert_onto)
 
 
+DIGEST_BYTES: Final = 8
+
+
+def trace_digest(trace_id: str) -> int:
+    """The 8-byte digest a chain knows a trace id by."""
+    digest = hashlib.blake2b(trace_id.encode(), digest_size=DIGEST_BYTES).digest()
+    return int.from_bytes(digest, "big")
+
+
+def pack_digests(digests: Iterable[int]) -> bytes:
+    return b"".join(d.to_bytes(DIGEST_BYTES, "big") for d in digests)
+
+
+def unpack_digests(packed: bytes) -> Iterator[int]:
+    """The digests of ``packed`` (a trailing partial digest, which no writer makes, is left)."""
+    for at in range(0, len(packed) - DIGEST_BYTES + 1, DIGEST_BYTES):
+        yield int.from_bytes(packed[at : at + DIGEST_BYTES], "big")
+
+
+class Restored(Struct, frozen=True):
+    """A key's state read back by its driver: its newest version, and the horizon kept beside
+    it (packed digests, written with version ``covers``; -1: none was found)."""
+
+    update: PromptUpdate
+    horizon: bytes = b""
+    covers: int = -1
+
+
 class KeyChain:
     """The newest durable version of one key, as its driver holds it."""
 
@@ -103,34 +139,66 @@ class KeyChain:
         self.partition = partition  # the traces partition the key lives in; -1 offline
         self.newest = newest
         self._horizon = horizon
-        self._recent: OrderedDict[str, None] = OrderedDict()
-        for trace_id in _consumed(newest) if newest is not None else ():
-            self._remember(trace_id)
+        # Handed to the key (learned, in flight or being reflected), newest last.
+        self._recent: OrderedDict[int, None] = OrderedDict()
+        # Learned by the published versions, packed, oldest first: what the driver keeps.
+        self._learned = b""
+        if newest is not None:
+            self._learned = self.horizon_after(newest)
+            for digest in unpack_digests(self._learned):
+                self._remember(digest)
 
-    def restore(self, update: PromptUpdate) -> None:
-        """Take ``update`` (read back from where it was published) as the newest version."""
+    def restore(self, update: PromptUpdate, horizon: bytes = b"", covers: int = -1) -> set[int]:
+        """Take ``update`` (read back from where it was published) as the newest version, with
+        the horizon kept beside it (``horizon``: packed digests written with version
+        ``covers``). Returns the digests restored: what a re-send is recognised by."""
         if update.key != self.key:
             raise ValueError(f"update of key {update.key!r} restored into chain {self.key!r}")
-        if self.newest is None or update.version > self.newest.version:
-            self.newest = update
-            for trace_id in _consumed(update):
-                self._remember(trace_id)
+        if self.newest is not None and update.version <= self.newest.version:
+            return set()
+        self.newest = update
+        # A horizon written with an older version (one published without it: an operator's
+        # re-seed, which learns nothing, or a build before the dedup topic) lacks the newest
+        # version's ids: they are added.
+        if covers >= update.version:
+            self._learned = horizon[-self._horizon * DIGEST_BYTES :]
+        else:
+            self._learned = self.horizon_after(update, horizon)
+        restored = set(unpack_digests(self._learned))
+        for digest in unpack_digests(self._learned):
+            self._remember(digest)
+        return restored
+
+    @property
+    def horizon(self) -> bytes:
+        """The digests of the last ``horizon`` trace ids the published versions learned."""
+        return self._learned
+
+    def horizon_after(self, update: PromptUpdate, before: bytes | None = None) -> bytes:
+        """:attr:`horizon` once ``update`` is published (or on ``before``): what the driver
+        keeps with it."""
+        packed = (self._learned if before is None else before) + pack_digests(
+            trace_digest(t) for t in _consumed(update)
+        )
+        return packed[-self._horizon * DIGEST_BYTES :]
 
     def seen(self, trace_id: str) -> bool:
         """Whether ``trace_id`` was handed to this key before (within the horizon); a new id
         is remembered. The driver skips a seen one: it is learned, in flight, or parked."""
-        if trace_id in self._recent:
-            self._recent.move_to_end(trace_id)
+        digest = trace_digest(trace_id)
+        if digest in self._recent:
+            self._recent.move_to_end(digest)
             return True
-        self._remember(trace_id)
+        self._remember(digest)
         return False
 
     def forget(self, trace_id: str) -> None:
         """``trace_id`` was parked, not learned: a replay of it must be learned."""
-        self._recent.pop(trace_id, None)
+        self._recent.pop(trace_digest(trace_id), None)
 
-    def _remember(self, trace_id: str) -> None:
-        self._recent[trace_id] = None
+    def _remember(self, digest: int) -> None:
+        self._recent[digest] = None
+        self._recent.move_to_end(digest)
         while len(self._recent) > self._horizon:
             self._recent.popitem(last=False)
 
@@ -221,6 +289,7 @@ class KeyChain:
             raise ValueError(
                 f"{self.key}: cannot advance v{self.version} to {update.key} v{update.version}"
             )
+        self._learned = self.horizon_after(update)
         self.newest = update
 
 
@@ -279,12 +348,17 @@ def seed_update(key: str, text: str, current: PromptUpdate | None) -> PromptUpda
 
 
 __all__ = [
+    "DIGEST_BYTES",
     "MEASURE_SLACK",
     "KeyChain",
+    "Restored",
     "UpdateTooLarge",
     "WindowInfo",
+    "pack_digests",
     "record_bytes",
     "revert_onto",
     "seed_update",
+    "trace_digest",
+    "unpack_digests",
     "update_bytes",
 ]

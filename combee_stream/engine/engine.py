@@ -13,6 +13,10 @@ anyio task group (nothing outside it):
   key's newest version and watermark, then resumes the partition. A partition whose restore
   cannot read the topic is never resumed with empty state;
 - **committer** — commits, per owned partition, the low watermark of unfinished offsets;
+- **topic watch** — every ``engine.topic_check_s``, one metadata request: a topic of the
+  engine's deleted under it (the prompts topic: its state) halts it with
+  :class:`~combee_stream.kafka.topics.TopicLostError` within two checks, ``/readyz`` failing,
+  instead of retrying writes to a topic that is gone until the broker deadline;
 - **releaser** (:mod:`combee_stream.engine.release`, with ``gate.canary`` / ``gate.rollback``)
   — live scores per version from the traces read, the canary and automatic rollback.
 
@@ -22,12 +26,19 @@ PromptUpdate is published (or dead-lettered), (2) each PromptUpdate carries the 
 offset of its key, and (3) a restarted or new owner restores that watermark before reading and
 skips what is below it. In ``exactly_once`` mode the publish and the offset commit are one Kafka
 transaction (one transactional id per input partition) and subscribers read committed data only.
+
+Shutdown is bounded: ``stop()`` (SIGTERM) gives the flush and the in-flight windows
+``engine.shutdown_grace_s`` less what closing the Kafka clients keeps (:func:`close_reserve_s`),
+and the clients are then closed all at once within what is left but a moment for the process to
+exit (:func:`exit_reserve_s`), so one that cannot flush (its topic deleted, the broker gone)
+holds back neither the others nor the exit.
 """
 
 from __future__ import annotations
 
+import math
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import anyio
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -39,6 +50,7 @@ from combee_stream.config import Config, required_secret
 from combee_stream.core.gate import PublishGate
 from combee_stream.core.learner import Learner, required_roles
 from combee_stream.core.llm import LLMClient
+from combee_stream.core.versions import Restored
 from combee_stream.engine.intake import MAX_POLL_RECORDS, Intake
 from combee_stream.engine.metrics import EngineMetrics
 from combee_stream.engine.partition import KeyIndex, Partitions, PartitionState
@@ -47,12 +59,30 @@ from combee_stream.engine.release import Releaser
 from combee_stream.errors import EngineHalted, UserError
 from combee_stream.kafka.client import client_kwargs, start_client, stop_quietly
 from combee_stream.kafka.history import partition_of
-from combee_stream.kafka.reader import UpdateFetcher, index_partition
-from combee_stream.kafka.topics import ensure_topics
+from combee_stream.kafka.reader import HorizonAt, UpdateFetcher, index_horizons, index_partition
+from combee_stream.kafka.topics import (
+    TopicLostError,
+    absent_topics,
+    engine_topics,
+    ensure_topics,
+    lost_topic_error,
+)
 from combee_stream.logs import get_logger
-from combee_stream.schemas import Playbook, PromptUpdate
+from combee_stream.schemas import DedupHorizon, Playbook, PromptUpdate
 
 log = get_logger(__name__)
+
+
+def close_reserve_s(grace_s: float) -> float:
+    """What of the shutdown grace closing the Kafka clients keeps: a final commit, aborting
+    open transactions and leaving the group take a round trip or two each, all at once."""
+    return min(5.0, grace_s / 4)
+
+
+def exit_reserve_s(grace_s: float) -> float:
+    """What of it the process keeps to exit once ``run()`` has returned (the event loop cancels
+    what a client left behind; the interpreter shuts down): a few hundred ms, measured."""
+    return min(1.0, grace_s / 10)
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -71,8 +101,8 @@ class Engine:
 
     ``gate``: a publish gate of your own instead of the one ``config.gate`` asks for. Raises
     :class:`~combee_stream.errors.EngineHalted` when it stopped itself (the broker unreachable
-    past ``engine.broker_deadline_s``), and ``MissingEndpointError`` at construction when an LLM
-    role it needs has no endpoint."""
+    past ``engine.broker_deadline_s``, or a topic of its deleted: ``TopicLostError``), and
+    ``MissingEndpointError`` at construction when an LLM role it needs has no endpoint."""
 
     def __init__(
         self,
@@ -139,12 +169,26 @@ class Engine:
         self._restore_send, self._restore_recv = anyio.create_memory_object_stream[int](1000)
         self._tg: TaskGroup | None = None
         self._stopping = anyio.Event()
+        # Bounds intake and the flush once stop() is called (made in run(): a scope needs the
+        # event loop, and an Engine may be made before it runs).
+        self._grace: anyio.CancelScope | None = None
+        self._drain_by = math.inf  # when the flush is given up, once stop() was called
+        self._stop_by: float | None = None  # when run() has returned, once stop() was called
         self.started = anyio.Event()
 
     # ------------------------------------------------------------------ lifecycle
 
     def stop(self) -> None:
-        """Begin a graceful shutdown: stop intake, finish in-flight windows, commit, close."""
+        """Begin a graceful shutdown: stop intake, finish in-flight windows, commit, close;
+        ``run()`` returns within ``engine.shutdown_grace_s`` of this call, less a moment for
+        the process to exit. Call it from the event loop's thread."""
+        if self._stopping.is_set():
+            return
+        grace, now = self.config.engine.shutdown_grace_s, anyio.current_time()
+        self._stop_by = now + grace - exit_reserve_s(grace)
+        self._drain_by = now + grace - close_reserve_s(grace)
+        if self._grace is not None:
+            self._grace.deadline = self._drain_by
         self._stopping.set()
 
     async def run(self) -> None:
@@ -169,6 +213,7 @@ class Engine:
                 tg.start_soon(self._restorer)
                 tg.start_soon(self._committer)
                 tg.start_soon(self._outage_prober)
+                tg.start_soon(self._watch_topics)
                 if self._release.enabled:
                     tg.start_soon(self._release.run)
                 self.started.set()
@@ -179,8 +224,11 @@ class Engine:
                     guarantee=cfg.engine.processing_guarantee,
                     strategy=cfg.learning.strategy,
                 )
-                await self._intake.run(tg, self._stopping)
-                await self._drain()
+                with anyio.CancelScope(deadline=self._drain_by) as self._grace:
+                    await self._intake.run(tg, self._stopping)
+                    await self._drain()
+                if self._grace.cancelled_caught:
+                    log.warning("shutdown grace expired: abandoning unpublished windows")
                 tg.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             halted = group.subgroup(EngineHalted)
@@ -190,33 +238,57 @@ class Engine:
             first: BaseException = halted
             while isinstance(first, BaseExceptionGroup):
                 first = first.exceptions[0]
+            if isinstance(first, TopicLostError):  # found by the topic watch or by a read
+                self._lost_topic(True)
+                log.error("engine halted: a topic was deleted", topic=first.topic, error=str(first))
             raise first from None
         finally:
             with anyio.CancelScope(shield=True):
                 await self._close()
 
     async def _close(self) -> None:
-        # Bounded: with the broker gone, each close waits for its request timeout at most once.
-        with anyio.move_on_after(self.config.engine.shutdown_grace_s):
-            await self._commit(final=True)
-            await self._publisher.close()
-            await self._fetcher.aclose()
-            await stop_quietly(self._consumer)
+        """Commit what is done and close every Kafka client, all at once and bounded: within
+        what is left of the grace after stop(), else (a halt, a failed start) the reserve."""
+        grace = self.config.engine.shutdown_grace_s
+        now = anyio.current_time()
+        by = self._stop_by if self._stop_by is not None else now + close_reserve_s(grace)
+        open_clients = {"consumer", "producers", "fetcher"}
+
+        async def close(name: str, closing: Callable[[], Awaitable[None]]) -> None:
+            await closing()
+            open_clients.discard(name)
+
+        with anyio.move_on_after(max(0.0, by - now)):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(close, "consumer", lambda: self._close_consumer((by - now) / 2))
+                tg.start_soon(close, "producers", self._publisher.close)
+                tg.start_soon(close, "fetcher", self._fetcher.aclose)
+        if open_clients:
+            # One that cannot flush (a batch to a deleted topic never completes) or reach the
+            # broker; the process exits all the same.
+            log.warning(
+                "kafka clients not closed within the shutdown grace: left behind",
+                clients=sorted(open_clients),
+            )
         if self._owns_llm:
             await self._llm.aclose()
         self.metrics.health.assigned = False
         log.info("engine stopped")
 
+    async def _close_consumer(self, commit_s: float) -> None:
+        """The final commit (within ``commit_s``: with the broker gone it would take the whole
+        bound), then the consumer's stop, which must start to leave the group."""
+        with anyio.move_on_after(commit_s):
+            await self._commit(final=True)
+        await stop_quietly(self._consumer)
+
     async def _drain(self) -> None:
-        """Flush open windows and give in-flight ones ``shutdown_grace_s`` to publish."""
+        """Flush open windows and wait for in-flight ones to publish (bounded by the grace)."""
         keys = self._intake.keys
         log.info("draining", keys=len(keys))
         self._intake.close_inboxes()
-        with anyio.move_on_after(self.config.engine.shutdown_grace_s) as scope:
-            for entry in list(keys.values()):
-                await entry.pipeline.finished.wait()
-        if scope.cancel_called:
-            log.warning("shutdown grace expired: abandoning unpublished windows")
+        for entry in list(keys.values()):
+            await entry.pipeline.finished.wait()
 
     async def _watch_signals(self) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -300,12 +372,23 @@ class Engine:
                 await self._publisher.txn_producer(state)
                 # Streamed: a few numbers per key are kept, never every key's update (a key's
                 # update is read back when it becomes active). An undecodable record halts.
-                newest, forks = await index_partition(self.config.kafka, state.partition, self._env)
+                kafka, partition = self.config.kafka, state.partition
+                horizons: dict[str, HorizonAt] = {}
+
+                async def read_horizons() -> None:
+                    horizons.update(await index_horizons(kafka, partition, self._env))
+
+                async with anyio.create_task_group() as reads:  # two topics, read at once
+                    reads.start_soon(read_horizons)
+                    newest, forks = await index_partition(kafka, partition, self._env)
+                none = HorizonAt(offset=-1, version=-1)
                 state.index = {
                     key: KeyIndex(
                         offset=head.offset,
                         version=head.version,
-                        watermark=head.watermark.get(state.partition, -1),
+                        watermark=head.watermark.get(partition, -1),
+                        horizon_offset=horizons.get(key, none).offset,
+                        horizon_version=horizons.get(key, none).version,
                     )
                     for key, head in newest.items()
                 }
@@ -326,16 +409,21 @@ class Engine:
             self.metrics.health.assigned = True
             log.info("partition restored", partition=p, keys=len(state.index))
 
-    async def _fetch(self, partition: int, indexed: KeyIndex, key: str) -> PromptUpdate | None:
-        """A key's newest version, read back from the prompts topic where the index says it is
-        (retried while the partition is owned, like every read of the engine)."""
+    async def _fetch(self, partition: int, indexed: KeyIndex, key: str) -> Restored | None:
+        """A key's newest version and its dedup horizon, read back from the prompts and dedup
+        topics where the index says they are (retried while the partition is owned, like every
+        read of the engine)."""
         part = self._partitions.get(partition)
         if part is None:
             return None
         found: list[PromptUpdate | None] = []
+        horizon: list[DedupHorizon | None] = []
 
         async def attempt() -> None:
             found[:] = [await self._fetcher.update_at(partition, indexed.offset, key)]
+            if indexed.horizon_offset >= 0:
+                fetched = await self._fetcher.horizon_at(partition, indexed.horizon_offset, key)
+                horizon[:] = [fetched]
 
         if not await self._publisher.persist("restore", part, attempt):
             return None  # revoked meanwhile: the pipeline is being cancelled
@@ -346,7 +434,44 @@ class Engine:
                 f"{indexed.offset} of {self.config.kafka.prompts_topic!r} partition {partition}: "
                 "refusing to learn it again from an older state"
             )
-        return update
+        mark = horizon[0] if horizon else None
+        if mark is None or mark.key != key:
+            return Restored(update)
+        return Restored(update, mark.ids, mark.version)
+
+    async def _watch_topics(self) -> None:
+        """Halt when a topic of the engine's is gone: two metadata answers in a row (a check
+        apart) that do not list it. A check no broker answers says nothing (an outage is the
+        broker deadline's business)."""
+        kafka = self.config.kafka
+        names = engine_topics(kafka)
+        every = self.config.engine.topic_check_s
+        missed: set[str] = set()
+        while True:
+            await anyio.sleep(every)
+            absent: list[str] | None = None
+            with anyio.move_on_after(kafka.request_timeout_ms / 1000):
+                try:
+                    absent = await absent_topics(self._consumer._client, names)
+                except KafkaError:
+                    pass
+            if absent is None:
+                missed.clear()
+                continue
+            gone = [name for name in absent if name in missed]
+            missed = set(absent)
+            # Not ready from the first answer without it; halted at the second. Nothing more is
+            # published: the halt cancels every window (a transaction to a topic that is gone
+            # aborts, its history records with it).
+            self._lost_topic(bool(absent))
+            if gone:
+                raise lost_topic_error(kafka, gone[0])
+
+    def _lost_topic(self, missing: bool) -> None:
+        """``/readyz`` fails while a topic of the engine's is missing."""
+        failing = self.metrics.health.failing
+        if missing != bool(failing["lost_topic"]):
+            failing["lost_topic"] = int(missing)
 
     async def _outage_prober(self) -> None:
         """While an LLM endpoint is down intake is paused; probe it, so that learning resumes
@@ -392,4 +517,4 @@ class Engine:
                     self.metrics.consumer_lag.labels(str(tp.partition)).set(max(0, hw - at))
 
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "close_reserve_s", "exit_reserve_s"]

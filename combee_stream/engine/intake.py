@@ -27,7 +27,7 @@ from combee_stream.config import Config
 from combee_stream.core.controller import batch_policy
 from combee_stream.core.learner import Learner
 from combee_stream.core.pipeline import KeyPipeline, Pending, PipelineSettings
-from combee_stream.core.versions import KeyChain
+from combee_stream.core.versions import KeyChain, Restored
 from combee_stream.engine.metrics import EngineMetrics
 from combee_stream.engine.partition import KeyIndex, Partitions, PartitionState
 from combee_stream.engine.publisher import Publisher
@@ -35,7 +35,7 @@ from combee_stream.formats import trace_format
 from combee_stream.kafka.dlq import DeadLetter
 from combee_stream.kafka.ingest import classify
 from combee_stream.logs import get_logger
-from combee_stream.schemas import PromptUpdate, Trace
+from combee_stream.schemas import Trace
 
 log = get_logger(__name__)
 
@@ -85,7 +85,7 @@ class Intake:
         publisher: Publisher,
         metrics: EngineMetrics,
         outage: Callable[[], bool] = lambda: False,
-        fetch: Callable[[int, KeyIndex, str], Awaitable[PromptUpdate | None]] | None = None,
+        fetch: Callable[[int, KeyIndex, str], Awaitable[Restored | None]] | None = None,
         observe: Callable[[Trace], None] | None = None,
         evicted: Callable[[str], None] = lambda key: None,
     ) -> None:
@@ -235,7 +235,7 @@ class Intake:
         if indexed is not None and self._fetch is not None:
             fetch, partition = self._fetch, part.partition
 
-            async def loader() -> PromptUpdate | None:
+            async def loader() -> Restored | None:
                 return await fetch(partition, indexed, key)
 
         # Room for everything buffered engine-wide: pausing bounds the total, not one key.
@@ -244,7 +244,7 @@ class Intake:
         )
         policy = batch_policy(self._config.learning, key=key)
 
-        def duplicate(item: Pending) -> None:  # seen in the version the loader read
+        def duplicate(item: Pending) -> None:  # seen in what the loader read
             self._skip_duplicate(part, key, item.trace.trace_id, item.source.offset)
 
         pipeline = KeyPipeline(

@@ -15,6 +15,10 @@ class KeyIndex(Struct, frozen=True):
     offset: int  # of the key's newest update in this partition of the prompts topic
     version: int
     watermark: int  # highest offset of the key's traces learned, in this traces partition
+    # Of the key's dedup record in this partition of the dedup topic (-1: none), and the
+    # version it was written with.
+    horizon_offset: int = -1
+    horizon_version: int = -1
 
 
 class PartitionState:

@@ -48,10 +48,10 @@ from combee_stream.engine.partition import KeyIndex, Partitions, PartitionState
 from combee_stream.errors import BrokerUnavailableError
 from combee_stream.kafka.client import start_client, stop_quietly
 from combee_stream.kafka.dlq import DeadLetter, send_dead_letter
-from combee_stream.kafka.producer import make_producer, send_update
+from combee_stream.kafka.producer import make_producer, send_horizon, send_update
 from combee_stream.logs import get_logger
 from combee_stream.retry import RetryPolicy
-from combee_stream.schemas import PromptUpdate, Trace, encode
+from combee_stream.schemas import DedupHorizon, PromptUpdate, Trace, encode
 
 log = get_logger(__name__)
 
@@ -97,9 +97,13 @@ class Publisher:
         await start_client(self._producer, self._config.kafka)
 
     async def close(self) -> None:
-        for producer in [*(p for _, p in self._txn_producers.values()), self._producer]:
-            await stop_quietly(producer)
+        """Stop every producer at once: one that cannot flush (its topic is gone, the broker
+        too) holds back none of the others; the caller bounds the whole."""
+        producers = [*(p for _, p in self._txn_producers.values()), self._producer]
         self._txn_producers.clear()
+        async with anyio.create_task_group() as tg:
+            for producer in producers:
+                tg.start_soon(stop_quietly, producer)
 
     # ------------------------------------------------------------------ the retry loop
 
@@ -201,8 +205,13 @@ class Publisher:
             return False
         learned = window.result.consumed if window.result is not None else []
 
+        # The key's last dedup_horizon ids once this version is out: kept with it.
+        horizon = DedupHorizon(
+            key=chain.key, version=update.version, ids=chain.horizon_after(update)
+        )
+
         async def send() -> None:
-            await self._send_update(part, update, learned)
+            await self._send_update(part, update, learned, horizon)
 
         try:
             persisted = await self.persist("publish", part, send, locked=True)
@@ -318,21 +327,27 @@ class Publisher:
             tg.start_soon(stop_quietly, made[1])
 
     async def _send_update(
-        self, part: PartitionState, update: PromptUpdate, learned: Sequence[Any]
+        self,
+        part: PartitionState,
+        update: PromptUpdate,
+        learned: Sequence[Any],
+        horizon: DedupHorizon,
     ) -> None:
         kafka = self._config.kafka
         producer = await self.txn_producer(part)
-        # The version and its history records (and the expiry of the one history_versions
-        # older) go in one transaction: the history never misses or invents a version.
+        # The version, its history records (and the expiry of the one history_versions
+        # older) and the key's dedup record go in one transaction: the history never misses
+        # or invents a version, and the horizon read back always matches a version.
         if not self._eos:
             # A transaction of its own, for the fencing: a zombie owner of this partition (a
             # process paused past its session timeout) fails here once the new owner has
             # initialised the partition's transactional id, instead of forking the chain.
             async with producer.transaction():
                 sent = await send_update(producer, kafka, update, part.partition)
+                mark = await send_horizon(producer, kafka, horizon, part.partition)
             for source in learned:
                 part.offsets.done(source.offset)
-            self._index(part, update, sent.offset)
+            self._index(part, update, sent.offset, mark.offset)
             return
         for source in learned:
             part.offsets.done(source.offset)
@@ -341,6 +356,7 @@ class Publisher:
         try:
             async with producer.transaction():
                 sent = await send_update(producer, kafka, update, part.partition)
+                mark = await send_horizon(producer, kafka, horizon, part.partition)
                 tp = TopicPartition(self._config.kafka.traces_topic, part.partition)
                 await producer.send_offsets_to_transaction(
                     {tp: commit_at}, self._config.kafka.group_id
@@ -350,15 +366,18 @@ class Publisher:
                 part.offsets.read(source.offset)
             raise
         part.committed = max(part.committed, commit_at)
-        self._index(part, update, sent.offset)
+        self._index(part, update, sent.offset, mark.offset)
 
     @staticmethod
-    def _index(part: PartitionState, update: PromptUpdate, offset: int) -> None:
-        """Where the key's newest version now is (read back if the key is evicted)."""
+    def _index(part: PartitionState, update: PromptUpdate, offset: int, horizon: int) -> None:
+        """Where the key's newest version and dedup record now are (read back if the key is
+        evicted)."""
         part.index[update.key] = KeyIndex(
             offset=offset,
             version=update.version,
             watermark=update.watermark.get(part.partition, -1),
+            horizon_offset=horizon,
+            horizon_version=update.version,
         )
 
     # ------------------------------------------------------------------ metrics

@@ -4,10 +4,12 @@ live in :mod:`combee_stream.prompts_cli`)."""
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 
 from combee_stream.config import Config, secret
@@ -15,16 +17,19 @@ from combee_stream.errors import DecodeError, UserError
 from combee_stream.formats import trace_format
 from combee_stream.kafka.dlq import replay_dead_letters
 from combee_stream.kafka.producer import TraceProducer
+from combee_stream.kafka.reader import TopicMissingError, content_digest
 from combee_stream.kafka.subscriber import PromptSubscriber
 from combee_stream.kafka.topics import ensure_topics
-from combee_stream.schemas import Trace, encode
+from combee_stream.retry import RetryPolicy
+from combee_stream.schemas import PromptUpdate, Trace, encode
 
 
 def register(sub: Any) -> None:
     topics = sub.add_parser("topics", help="manage the engine's Kafka topics")
     topics_sub = topics.add_subparsers(dest="topics_command", required=True)
     create = topics_sub.add_parser(
-        "create", help="create the traces, prompts (compacted) and DLQ topics; idempotent"
+        "create",
+        help="create the traces, prompts, history and dedup (compacted) and DLQ topics; idempotent",
     )
     create.set_defaults(handler=_topics_create)
 
@@ -122,25 +127,54 @@ def _raw_key(line: str) -> str | None:
     return key if isinstance(key, str) else None
 
 
+# Following: a missing prompts topic (not created yet, or deleted) is waited for, said once
+# per attempt on stderr; capped, so it is back soon after the topic is.
+SUBSCRIBE_RETRY = RetryPolicy(base_s=1.0, max_s=30.0)
+
+
 async def _subscribe(args: argparse.Namespace, config: Config) -> int:
+    """``--once``: the current version per key, or a non-zero exit saying what is missing.
+    Following: reconnects with backoff while a topic is missing (printing each served version
+    once: a version is printed again only if its content differs, as after a lost state)."""
     keys = set(args.key) if args.key else None
     out = sys.stdout
-    async with PromptSubscriber(
-        config.kafka, keys=keys, version=args.version, session=args.session,
-        # One default for every way of reading prompts: production (PromptClient's too).
-        label=args.label or (None if args.version is not None else "production"),
-        canary_secret=secret(config.gate.canary_secret_env),
-    ) as prompts:  # fmt: skip
-        served = (prompts.latest(k) for k in sorted(prompts.snapshot()))
-        for update in (u for u in served if u is not None):
+    printed: dict[str, bytes] = {}
+
+    def emit(update: PromptUpdate) -> None:
+        digest = content_digest(update)
+        if printed.get(update.key) != digest:
+            printed[update.key] = digest
             out.write(encode(update).decode() + "\n")
-        out.flush()
-        if args.once:
-            return 0
-        async for update in prompts:
-            out.write(encode(update).decode() + "\n")
-            out.flush()
-    return 0
+
+    rng, attempt = random.Random(), 0
+    while True:
+        try:
+            async with PromptSubscriber(
+                config.kafka,
+                keys=keys,
+                version=args.version,
+                session=args.session,
+                # One default for every way of reading prompts: production (PromptClient's).
+                label=args.label or (None if args.version is not None else "production"),
+                canary_secret=secret(config.gate.canary_secret_env),
+            ) as prompts:
+                attempt = 0
+                served = (prompts.latest(k) for k in sorted(prompts.snapshot()))
+                for update in (u for u in served if u is not None):
+                    emit(update)
+                out.flush()
+                if args.once:
+                    return 0
+                async for update in prompts:
+                    emit(update)
+                    out.flush()
+        except TopicMissingError as exc:
+            if args.once:
+                raise
+            attempt += 1
+            delay = SUBSCRIBE_RETRY.delay(attempt, rng)
+            print(f"combee-stream: {exc}; trying again in {delay:.1f} s", file=sys.stderr)
+            await anyio.sleep(delay)
 
 
 async def _dlq_replay(args: argparse.Namespace, config: Config) -> int:

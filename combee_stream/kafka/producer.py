@@ -12,7 +12,7 @@ from aiokafka import AIOKafkaProducer
 from combee_stream.config import KafkaConfig
 from combee_stream.kafka.client import client_kwargs, start_client
 from combee_stream.kafka.history import history_records
-from combee_stream.schemas import FeedbackRecord, PromptUpdate, Trace, encode
+from combee_stream.schemas import DedupHorizon, FeedbackRecord, PromptUpdate, Trace, encode
 
 
 def make_producer(
@@ -145,6 +145,17 @@ async def send_update(
     return await sent
 
 
+async def send_horizon(
+    producer: AIOKafkaProducer, cfg: KafkaConfig, horizon: DedupHorizon, partition: int
+) -> Any:
+    """Send a key's dedup record (in the transaction of the version it was written with);
+    returns its metadata once the broker has it."""
+    sent = await producer.send(
+        cfg.dedup_topic_name, value=encode(horizon), key=horizon.key.encode(), partition=partition
+    )
+    return await sent
+
+
 async def publish_update(
     producer: AIOKafkaProducer, cfg: KafkaConfig, update: PromptUpdate
 ) -> tuple[int, int]:
@@ -153,4 +164,4 @@ async def publish_update(
     return meta.partition, meta.offset
 
 
-__all__ = ["TraceProducer", "make_producer", "publish_update", "send_update"]
+__all__ = ["TraceProducer", "make_producer", "publish_update", "send_horizon", "send_update"]

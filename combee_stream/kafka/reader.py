@@ -6,6 +6,7 @@ the benchmarks and the tests.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from typing import Any
 
@@ -16,8 +17,9 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from combee_stream.config import KafkaConfig
 from combee_stream.errors import DecodeError, EngineHalted, UserError
 from combee_stream.kafka.client import client_kwargs, partitions_of, start_client, stop_quietly
+from combee_stream.kafka.topics import lost_topic_error
 from combee_stream.logs import get_logger
-from combee_stream.schemas import PromptUpdate, decode, encode
+from combee_stream.schemas import DedupHorizon, PromptUpdate, decode, encode
 
 log = get_logger(__name__)
 
@@ -34,6 +36,48 @@ def reading_consumer(cfg: KafkaConfig, env: Mapping[str, str] | None = None) -> 
     )
 
 
+class TopicMissingError(UserError):
+    """A topic a reader needs does not exist: never created, or deleted (then, for the
+    prompts topic, the engine's state is lost)."""
+
+    def __init__(self, topic: str, message: str) -> None:
+        super().__init__(message)
+        self.topic = topic
+
+
+# How often a reader confirms, with a metadata request, that a topic its client no longer
+# knows is gone: aiokafka drops a deleted topic from its cached metadata within a fraction of
+# a second of a failed fetch, and then asks for metadata again thousands of times a second,
+# for ever, without telling its caller.
+TOPIC_CHECK_S = 2.0
+
+
+class TopicWatch:
+    """Notices a topic deleted under a reading consumer within seconds, at no cost while it
+    exists: a miss in the client's cached metadata is confirmed by fresh metadata, at most
+    every ``every_s`` (a topic not yet in the cache is no miss)."""
+
+    def __init__(self, consumer: AIOKafkaConsumer, every_s: float = TOPIC_CHECK_S) -> None:
+        self._consumer = consumer
+        self._every_s = every_s
+        self._checked_at = -math.inf
+
+    async def check(self, topics: Collection[str], hint: str = "") -> None:
+        """Raise :class:`TopicMissingError` for the first of ``topics`` that is gone."""
+        cached = self._consumer._client.cluster
+        if all(cached.partitions_for_topic(t) is not None for t in topics):
+            return
+        now = anyio.current_time()
+        if now - self._checked_at < self._every_s:
+            return
+        self._checked_at = now
+        for topic in topics:
+            if not await partitions_of(self._consumer, topic):
+                raise TopicMissingError(
+                    topic, f"topic {topic!r} no longer exists: it was deleted{hint}"
+                )
+
+
 async def assign_from_start(
     consumer: AIOKafkaConsumer,
     topic: str,
@@ -46,7 +90,7 @@ async def assign_from_start(
     The hints end the error when the topic, or one of the partitions, does not exist."""
     available = await partitions_of(consumer, topic)
     if not available:
-        raise UserError(f"topic {topic!r} does not exist{hint}")
+        raise TopicMissingError(topic, f"topic {topic!r} does not exist{hint}")
     if partitions is not None:
         absent = set(partitions) - available
         if absent:
@@ -59,14 +103,23 @@ async def assign_from_start(
 
 
 async def until_end(
-    consumer: AIOKafkaConsumer, tps: Sequence[TopicPartition], poll_timeout_ms: int = 500
+    consumer: AIOKafkaConsumer,
+    tps: Sequence[TopicPartition],
+    poll_timeout_ms: int = 500,
+    *,
+    hint: str = "",
 ) -> AsyncIterator[list[Any]]:
     """Batches of records of ``tps`` up to the end offsets seen on entry (so it terminates while
-    producers keep writing); the consumer is then positioned to follow live."""
+    producers keep writing); the consumer is then positioned to follow live. A topic deleted
+    meanwhile raises :class:`TopicMissingError` (``hint`` ends it) instead of waiting forever."""
     end = await consumer.end_offsets(list(tps))
+    watch = TopicWatch(consumer)
     for tp in tps:
         while await consumer.position(tp) < end[tp]:
-            for batch in (await consumer.getmany(tp, timeout_ms=poll_timeout_ms)).values():
+            batches = await consumer.getmany(tp, timeout_ms=poll_timeout_ms)
+            if not batches:
+                await watch.check([tp.topic], hint)
+            for batch in batches.values():
                 yield batch
 
 
@@ -162,12 +215,9 @@ async def index_partition(
     try:
         try:
             tps = await assign_from_start(consumer, cfg.prompts_topic, [partition])
-        except UserError as exc:  # the topic was deleted under a running engine
-            raise EngineHalted(
-                f"cannot restore partition {partition}: {exc} (the engine's state is gone: "
-                "`combee-stream run` says how to recover)"
-            ) from exc
-        async for batch in until_end(consumer, tps):
+        except TopicMissingError as exc:  # the topic was deleted under a running engine
+            raise lost_topic_error(cfg, cfg.prompts_topic) from exc
+        async for batch in _restoring(cfg, until_end(consumer, tps)):
             for record in batch:
                 key = record.key.decode(errors="replace") if record.key else ""
                 try:
@@ -200,10 +250,72 @@ async def index_partition(
     return newest, forks
 
 
+async def _restoring(cfg: KafkaConfig, batches: AsyncIterator[list[Any]]) -> AsyncIterator[Any]:
+    """``batches`` of a read the engine restores from: a topic deleted meanwhile is its state
+    lost (:class:`~combee_stream.kafka.topics.TopicLostError`), not a user's mistake."""
+    try:
+        async for batch in batches:
+            yield batch
+    except TopicMissingError as exc:
+        raise lost_topic_error(cfg, exc.topic) from exc
+
+
+class HorizonAt(msgspec.Struct, frozen=True):
+    """Where a key's dedup record is (the engine's index), and the version it was written with."""
+
+    offset: int
+    version: int
+
+
+async def index_horizons(
+    cfg: KafkaConfig, partition: int, env: Mapping[str, str] | None = None
+) -> dict[str, HorizonAt]:
+    """Where each key's dedup record is in one partition of the dedup topic (the newest per key;
+    a tombstone drops the key). Only the version is decoded of each record (the digests are
+    read back when the key becomes active). An undecodable record is skipped with a warning:
+    a horizon is a help against re-sends, never the key's state."""
+    topic = cfg.dedup_topic_name
+    consumer = reading_consumer(cfg, env)
+    await start_client(consumer, cfg)
+    found: dict[str, HorizonAt] = {}
+    try:
+        try:
+            tps = await assign_from_start(consumer, topic, [partition])
+        except TopicMissingError as exc:
+            raise lost_topic_error(cfg, topic) from exc
+        async for batch in _restoring(cfg, until_end(consumer, tps)):
+            for record in batch:
+                key = record.key.decode(errors="replace") if record.key else ""
+                if record.value is None:
+                    found.pop(key, None)
+                    continue
+                try:
+                    version = msgspec.json.decode(record.value, type=_VersionOnly).version
+                except msgspec.MsgspecError as exc:
+                    log.warning(
+                        "undecodable dedup record skipped",
+                        topic=topic,
+                        partition=partition,
+                        offset=record.offset,
+                        reason=str(exc),
+                    )
+                    continue
+                current = found.get(key)
+                if current is None or version >= current.version:
+                    found[key] = HorizonAt(offset=record.offset, version=version)
+    finally:
+        await consumer.stop()
+    return found
+
+
+class _VersionOnly(msgspec.Struct):
+    version: int
+
+
 class UpdateFetcher:
     """Reads a key's newest update back from the prompts topic at its known offset (the
-    engine's index), so an idle key's playbook need not stay in memory. One consumer, one read
-    at a time."""
+    engine's index), so an idle key's playbook need not stay in memory, and its dedup horizon
+    from the dedup topic likewise. One consumer, one read at a time."""
 
     def __init__(self, cfg: KafkaConfig, env: Mapping[str, str] | None = None) -> None:
         self._cfg = cfg
@@ -220,35 +332,60 @@ class UpdateFetcher:
     async def update_at(self, partition: int, offset: int, key: str) -> PromptUpdate | None:
         """The update of ``key`` at ``offset``; past it when compaction moved things (the
         newest of a key is never compacted away, so reading on finds it)."""
+        value = await self._value_at(self._cfg.prompts_topic, partition, offset, key)
+        return None if value is None else decode(value, PromptUpdate)
+
+    async def horizon_at(self, partition: int, offset: int, key: str) -> DedupHorizon | None:
+        """The dedup record of ``key`` at ``offset`` (or past it, as :meth:`update_at`); None
+        when it cannot be decoded (a warning: the key's version alone is restored then)."""
+        value = await self._value_at(self._cfg.dedup_topic_name, partition, offset, key)
+        if value is None:
+            return None
+        try:
+            return decode(value, DedupHorizon)
+        except DecodeError as exc:
+            log.warning("undecodable dedup record skipped", key=key, offset=offset, reason=str(exc))
+            return None
+
+    async def _value_at(self, topic: str, partition: int, offset: int, key: str) -> bytes | None:
+        """The value of the first record of ``key`` at or after ``offset`` (None: none)."""
         async with self._lock:
             consumer = self._consumer
             if consumer is None:
                 consumer = reading_consumer(self._cfg, self._env)
                 await start_client(consumer, self._cfg)  # stops it when it fails
                 self._consumer = consumer
-            tp = TopicPartition(self._cfg.prompts_topic, partition)
+            tp = TopicPartition(topic, partition)
             consumer.assign([tp])
             consumer.seek(tp, offset)
             end = (await consumer.end_offsets([tp]))[tp]
-            found: PromptUpdate | None = None
+            watch = TopicWatch(consumer)
+            wanted = key.encode()
             while await consumer.position(tp) < end:
                 batch = (await consumer.getmany(tp, timeout_ms=500, max_records=50)).get(tp, [])
+                if not batch:
+                    try:
+                        await watch.check([topic])
+                    except TopicMissingError as exc:
+                        raise lost_topic_error(self._cfg, topic) from exc
                 for record in batch:
-                    if record.key == key.encode():
-                        update = decode_update(record)
-                        found = update if update is not None else found
-                if found is not None and found.key == key:
-                    return found
-            return found
+                    if record.key == wanted and record.value is not None:
+                        return bytes(record.value)
+            return None
 
 
 __all__ = [
+    "TOPIC_CHECK_S",
+    "HorizonAt",
     "Newest",
+    "TopicMissingError",
+    "TopicWatch",
     "UndecodableStateError",
     "UpdateFetcher",
     "assign_from_start",
     "content_digest",
     "decode_update",
+    "index_horizons",
     "index_partition",
     "read_to_end",
     "read_updates",

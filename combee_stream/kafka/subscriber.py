@@ -24,6 +24,10 @@ is served the candidate while a live canary runs and the session hashes into its
 keyed with the canary secret (``canary_secret``, default the environment's
 ``COMBEE_CANARY_SECRET``) when the engine's labels say the split is keyed. A subscriber that does
 not hold the same secret cannot tell its arm and is served production (with a warning).
+
+A topic it reads that does not exist, or is deleted while it runs, raises
+:class:`~combee_stream.kafka.reader.TopicMissingError` (within seconds: it never waits on a
+topic that is gone); ``PromptClient`` and ``subscribe`` back off and try again.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from combee_stream.kafka.history import (
     resolve,
 )
 from combee_stream.kafka.reader import (
+    TopicWatch,
     assign_from_start,
     content_digest,
     decode_update,
@@ -56,6 +61,13 @@ from combee_stream.logs import get_logger
 from combee_stream.schemas import Labels, PromptUpdate
 
 log = get_logger(__name__)
+
+# What a missing topic means to a reader of prompts: never created, or deleted.
+MISSING_HINT = (
+    ": no engine has published here yet (`combee-stream topics create` creates it), or it was "
+    "deleted (then the engine's state is lost: `combee-stream run` says how to recover)"
+)
+DELETED_HINT = " (the engine's state is lost: `combee-stream run` says how to recover)"
 
 
 class PromptSubscriber:
@@ -95,6 +107,8 @@ class PromptSubscriber:
         self.ignored_stale = 0
         self.forks: list[tuple[str, int]] = []  # (key, version) seen twice with other content
         self._consumer = reading_consumer(cfg, env)
+        self._watch = TopicWatch(self._consumer)
+        self._topics = [cfg.prompts_topic]  # and the history topic, when it serves labels
 
     async def __aenter__(self) -> Self:
         await start_client(self._consumer, self._cfg)
@@ -126,7 +140,7 @@ class PromptSubscriber:
             self._consumer,
             self._topic,
             partitions,
-            hint=": run `combee-stream topics create`",
+            hint=MISSING_HINT,
             partitions_hint=": traces and prompts topics must be co-partitioned",
         )
         if self._labeled and not await partitions_of(self._consumer, self._cfg.history_topic):
@@ -142,7 +156,8 @@ class PromptSubscriber:
             self._consumer.assign([*tps, *history])
             await self._consumer.seek_to_beginning(*tps, *history)
             tps = [*tps, *history]
-        async for batch in until_end(self._consumer, tps, self._poll_timeout_ms):
+            self._topics.append(self._cfg.history_topic)
+        async for batch in until_end(self._consumer, tps, self._poll_timeout_ms, hint=DELETED_HINT):
             for record in batch:
                 self._accept(record)
         for key in self._history.keys() | self._latest.keys():
@@ -153,6 +168,8 @@ class PromptSubscriber:
     async def _poll(self) -> list[PromptUpdate]:
         accepted: list[PromptUpdate] = []
         batches = await self._consumer.getmany(timeout_ms=self._poll_timeout_ms)
+        if not batches:  # quiet, or a topic gone (aiokafka would wait on it for ever)
+            await self._watch.check(self._topics, DELETED_HINT)
         for records in batches.values():
             for record in records:
                 update = self._accept(record)
@@ -261,4 +278,4 @@ def _differs(a: PromptUpdate, b: PromptUpdate) -> bool:
     return content_digest(a) != content_digest(b)
 
 
-__all__ = ["PromptSubscriber"]
+__all__ = ["DELETED_HINT", "MISSING_HINT", "PromptSubscriber"]

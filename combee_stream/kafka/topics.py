@@ -3,14 +3,20 @@
 Traces and prompts are co-partitioned: the same partition count and the same key hashing (every
 producer in this package uses aiokafka's default murmur2 partitioner, the Java client's), so a
 key's traces and its prompt versions live in the same partition number and move together when a
-consumer group rebalances. The prompts topic must be compacted: it is the engine's state store.
+consumer group rebalances. The prompts topic must be compacted: it is the engine's state store,
+with the history topic (every version, the labels) and the dedup topic (each key's last trace
+ids) beside it, co-partitioned and compacted alike.
+
+A state topic deleted under a running engine is its state lost: :func:`lost_topic_error` says
+so and how to recover (the engine checks its topics while it runs); at start,
+:func:`ensure_topics` refuses to recreate a lost prompts topic under committed progress.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
-from typing import Final
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
 
 import anyio
 import msgspec
@@ -18,8 +24,8 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
-from combee_stream.config import IngestConfig, KafkaConfig
-from combee_stream.errors import UserError
+from combee_stream.config import DEDUP_RECORD_BYTES, IngestConfig, KafkaConfig
+from combee_stream.errors import EngineHalted, UserError
 from combee_stream.kafka.client import client_kwargs, start_client
 from combee_stream.logs import get_logger
 from combee_stream.retry import RetryPolicy
@@ -43,6 +49,7 @@ def topic_specs(cfg: KafkaConfig) -> list[TopicSpec]:
         "max.message.bytes": str(cfg.max_message_bytes),
         **cfg.prompts_topic_configs,
     }
+    dedup_configs = {**prompts_configs, "max.message.bytes": str(dedup_max_bytes(cfg))}
     dlq_configs = {"retention.ms": str(cfg.dlq_retention_ms)}
     # The ingest stage writes traces up to kafka.max_message_bytes (and cuts dead letters).
     traces_configs = {"max.message.bytes": str(cfg.max_message_bytes)}
@@ -51,8 +58,80 @@ def topic_specs(cfg: KafkaConfig) -> list[TopicSpec]:
         TopicSpec(cfg.prompts_topic, cfg.partitions, prompts_configs),
         # Versions, labels and label moves (kafka/history.py): compacted like the prompts.
         TopicSpec(cfg.history_topic, cfg.partitions, prompts_configs),
+        # Each key's dedup horizon (schemas.DedupHorizon), one record per key: compacted too.
+        TopicSpec(cfg.dedup_topic_name, cfg.partitions, dedup_configs),
         TopicSpec(cfg.dlq_topic, cfg.partitions, dlq_configs),
     ]
+
+
+def dedup_max_bytes(cfg: KafkaConfig) -> int:
+    """The dedup topic's max.message.bytes: room for the largest horizon the config allows."""
+    return max(cfg.max_message_bytes, DEDUP_RECORD_BYTES)
+
+
+def engine_topics(cfg: KafkaConfig) -> list[str]:
+    """Every topic the engine reads or writes."""
+    return [s.name for s in topic_specs(cfg)]
+
+
+class TopicLostError(EngineHalted):
+    """A topic of the engine's was deleted while it ran (its state, for the prompts, history
+    and dedup topics): it stopped instead of retrying against a topic that is gone."""
+
+    def __init__(self, topic: str, message: str) -> None:
+        super().__init__(message)
+        self.topic = topic
+
+
+def state_recovery(cfg: KafkaConfig) -> str:
+    """What to do once the engine's state (the prompts topic) is lost."""
+    return (
+        "Recover by restoring the topic from a backup (a mirror, or `combee-stream prompts "
+        "set KEY FILE` per key), or start over on purpose: reset the group's offsets to the "
+        f"earliest (kafka-consumer-groups --group {cfg.group_id} --reset-offsets --to-earliest "
+        "--all-topics --execute) or choose a new kafka.group_id, then run again."
+    )
+
+
+def lost_topic_error(cfg: KafkaConfig, topic: str) -> TopicLostError:
+    """The one line for ``topic`` gone under a running engine: what it held, what to do."""
+    if topic == cfg.prompts_topic:
+        what = (
+            "the engine's state (every key's newest version) is lost; nothing was published "
+            f"elsewhere. {state_recovery(cfg)}"
+        )
+    elif topic == cfg.history_topic:
+        what = (
+            "the versions' history and the labels (production pins, approval) are lost; "
+            "recreate it with `combee-stream topics create` (labels start over: pin production "
+            "again with `combee-stream prompts promote`), then run again."
+        )
+    elif topic == cfg.dedup_topic_name:
+        what = (
+            "the keys' dedup horizons are lost (a re-send of a trace learned before a key's "
+            "newest version would be learned again); recreate it with `combee-stream topics "
+            "create`, then run again."
+        )
+    elif topic == cfg.traces_topic:
+        what = (
+            "its input is gone (with the traces not yet learned); recreate it with "
+            "`combee-stream topics create`, then run again."
+        )
+    else:
+        what = (
+            "dead letters cannot be written (and the parked ones are gone); recreate it with "
+            "`combee-stream topics create`, then run again."
+        )
+    return TopicLostError(topic, f"topic {topic!r} was deleted while the engine ran: {what}")
+
+
+async def absent_topics(client: Any, names: Sequence[str]) -> list[str]:
+    """Which of ``names`` the cluster's fresh metadata does not list (one metadata request for
+    every topic: it never auto-creates one, as a request naming the topics could). Raises
+    KafkaError when no broker answers: an outage, not a missing topic."""
+    cluster = await client.fetch_all_metadata()
+    present = cluster.topics()
+    return [name for name in names if name not in present]
 
 
 async def _partition_counts(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, int]:
@@ -110,7 +189,8 @@ _CHECK_ATTEMPTS: Final = 6
 
 
 class StateLostError(UserError):
-    """The prompts topic is gone while the consumer group has progress on the traces topic."""
+    """The prompts topic is gone while the consumer group has progress on the traces topic
+    (at start; under a running engine it is :class:`TopicLostError`)."""
 
 
 async def _refuse_lost_state(admin: AIOKafkaAdminClient, cfg: KafkaConfig) -> None:
@@ -144,11 +224,7 @@ async def _refuse_lost_state(admin: AIOKafkaAdminClient, cfg: KafkaConfig) -> No
             f"the prompts topic {cfg.prompts_topic!r} does not exist, but consumer group "
             f"{cfg.group_id!r} has committed offsets on {cfg.traces_topic!r} (partitions "
             f"{committed}): the engine's state was lost. Refusing to start every key again "
-            "from nothing. Recover by restoring the topic from a backup (a mirror, or "
-            "`combee-stream prompts set KEY FILE` per key), or start over on purpose: reset "
-            f"the group's offsets to the earliest (kafka-consumer-groups --group {cfg.group_id} "
-            "--reset-offsets --to-earliest --all-topics --execute) or choose a new "
-            "kafka.group_id, then run again."
+            f"from nothing. {state_recovery(cfg)}"
         )
 
 
@@ -156,10 +232,12 @@ async def ensure_topics(cfg: KafkaConfig, env: Mapping[str, str] | None = None) 
     """Create missing topics, verify existing ones. Returns {topic: "created" | "exists"}.
 
     Idempotent. Raises TopicMismatchError when existing topics break co-partitioning, the
-    prompts or history topic is not compacted, or the prompts, history or traces topic takes
-    less than ``kafka.max_message_bytes``; and StateLostError instead of recreating a lost
-    prompts topic under a consumer group that has (or may have) made progress. Warns when the
-    DLQ's retention differs from ``kafka.dlq_retention_ms`` or the broker auto-creates topics.
+    prompts, history or dedup topic is not compacted, or the prompts, history or traces topic
+    takes less than ``kafka.max_message_bytes`` (the dedup topic: :func:`dedup_max_bytes`);
+    and StateLostError instead of recreating a lost prompts topic under a consumer group that
+    has (or may have) made progress. Warns when the DLQ's retention differs from
+    ``kafka.dlq_retention_ms``, the broker auto-creates topics, or the dedup topic is created
+    next to an existing prompts topic (an upgrade, or it was deleted).
     """
     specs = topic_specs(cfg)
     admin = AIOKafkaAdminClient(**client_kwargs(cfg, env))
@@ -170,6 +248,15 @@ async def ensure_topics(cfg: KafkaConfig, env: Mapping[str, str] | None = None) 
         if cfg.prompts_topic not in existing and cfg.traces_topic in existing:
             await _refuse_lost_state(admin, cfg)
         result = {s.name: "exists" for s in specs if s.name in existing}
+        if cfg.dedup_topic_name not in existing and cfg.prompts_topic in existing:
+            # An upgrade from a build without it, or the topic was deleted: each key's horizon
+            # starts again from its newest version's ids.
+            log.warning(
+                "creating the dedup topic next to an existing prompts topic: until a key "
+                "publishes its next versions, a re-send of a trace learned before its newest "
+                "version is not recognised",
+                topic=cfg.dedup_topic_name,
+            )
         result.update(await _create(admin, missing, cfg.replication_factor))
         counts = await _wait_visible(admin, [s.name for s in specs])
         traces, prompts = counts.get(cfg.traces_topic), counts.get(cfg.prompts_topic)
@@ -179,19 +266,25 @@ async def ensure_topics(cfg: KafkaConfig, env: Mapping[str, str] | None = None) 
                 f"{cfg.prompts_topic!r} has {prompts}: they must be co-partitioned (same count) "
                 "so a key's traces and prompt versions share a partition"
             )
-        history = counts.get(cfg.history_topic)
-        if history != traces:
-            raise TopicMismatchError(
-                f"history topic {cfg.history_topic!r} has {history} partitions but the traces "
-                f"topic has {traces}: a key's history is written to its own partition number"
-            )
+        for name, role in ((cfg.history_topic, "history"), (cfg.dedup_topic_name, "dedup")):
+            count = counts.get(name)
+            if count != traces:
+                raise TopicMismatchError(
+                    f"{role} topic {name!r} has {count} partitions but the traces topic has "
+                    f"{traces}: a key's {role} records are written to its own partition number"
+                )
         if traces != cfg.partitions:
             raise TopicMismatchError(
                 f"existing topics have {traces} partitions but kafka.partitions = "
                 f"{cfg.partitions}: set kafka.partitions = {traces} (partitions cannot shrink, "
                 "and growing them moves keys between partitions)"
             )
-        for name, role in ((cfg.prompts_topic, "prompts"), (cfg.history_topic, "history")):
+        compacted = (
+            (cfg.prompts_topic, "prompts"),
+            (cfg.history_topic, "history"),
+            (cfg.dedup_topic_name, "dedup"),
+        )
+        for name, role in compacted:
             policy = await topic_config(admin, name, "cleanup.policy") or "delete"
             if policy != "compact":
                 # compact,delete would drop a key's newest version (or its history) after
@@ -202,13 +295,16 @@ async def ensure_topics(cfg: KafkaConfig, env: Mapping[str, str] | None = None) 
                 )
         # A version goes to the prompts and the history topic (the same update in one
         # transaction), and the ingest stage writes traces up to the same bound.
-        for name, role in (
-            (cfg.prompts_topic, "prompts"),
-            (cfg.history_topic, "history"),
-            (cfg.traces_topic, "traces"),
-        ):
+        for name, role in (*compacted, (cfg.traces_topic, "traces")):
             limit = await topic_config(admin, name, "max.message.bytes")
-            if limit is not None and int(limit) < cfg.max_message_bytes:
+            if role == "dedup":
+                if limit is not None and int(limit) < dedup_max_bytes(cfg):
+                    raise TopicMismatchError(
+                        f"dedup topic {name!r} takes records of at most {limit} bytes, but a "
+                        f"key's dedup record may take {dedup_max_bytes(cfg)}: raise the "
+                        "topic's max.message.bytes to that"
+                    )
+            elif limit is not None and int(limit) < cfg.max_message_bytes:
                 raise TopicMismatchError(
                     f"{role} topic {name!r} takes records of at most {limit} bytes but "
                     f"kafka.max_message_bytes = {cfg.max_message_bytes}: lower the setting, or "
@@ -294,12 +390,18 @@ def _topic_errors(response: object) -> list[tuple[str, int, str]]:
 
 __all__ = [
     "StateLostError",
+    "TopicLostError",
     "TopicMismatchError",
     "TopicSpec",
+    "absent_topics",
     "broker_config",
+    "dedup_max_bytes",
+    "engine_topics",
     "ensure_ingest_topics",
     "ensure_topics",
     "ingest_topic_specs",
+    "lost_topic_error",
+    "state_recovery",
     "topic_config",
     "topic_specs",
 ]
