@@ -471,7 +471,7 @@ async def test_a_partition_owned_again_never_publishes_through_a_producer_fenced
     from combee_stream.engine.metrics import EngineMetrics
     from combee_stream.engine.partition import PartitionState
     from combee_stream.engine.publisher import Publisher
-    from combee_stream.kafka.producer import make_producer
+    from combee_stream.kafka.client import make_producer
 
     cfg = engine_config(config, unique, "http://127.0.0.1:9/v1")
     await ensure_topics(cfg.kafka)
@@ -563,7 +563,8 @@ async def test_a_paused_zombie_instance_cannot_fork_the_version_chain(
 @pytest.mark.anyio
 async def test_a_fork_is_reported_and_the_first_version_stands(config: Config, unique: str) -> None:
     from combee_stream.core.versions import seed_update
-    from combee_stream.kafka.producer import make_producer, publish_update
+    from combee_stream.kafka.client import make_producer
+    from combee_stream.kafka.producer import publish_update
     from combee_stream.kafka.reader import index_partition
     from combee_stream.kafka.subscriber import PromptSubscriber
 
@@ -917,7 +918,8 @@ async def test_an_undecodable_prompts_record_stops_the_restore_with_one_clear_li
     from aiokafka.admin import AIOKafkaAdminClient
 
     from combee_stream.core.versions import seed_update
-    from combee_stream.kafka.producer import make_producer, publish_update
+    from combee_stream.kafka.client import make_producer
+    from combee_stream.kafka.producer import publish_update
     from combee_stream.kafka.reader import read_updates as read_topic_updates
 
     traces = [lesson_trace("ka", f"t{i}", f"l{i}", f"rule {i} for the agent") for i in range(3)]
