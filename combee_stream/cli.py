@@ -27,7 +27,7 @@ _COMMAND_MODULES = (
     "combee_stream.localllm.cli",
     "combee_stream.prompts_cli",
     "combee_stream.offline.cli",
-    "combee_stream.engine.cli",
+    "combee_stream.run_cli",
     "combee_stream.ingest.cli",
     "combee_stream.evaluation.cli",
     "combee_stream.bench.cli",

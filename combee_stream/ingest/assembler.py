@@ -73,7 +73,6 @@ import msgspec
 from msgspec import Struct
 
 from combee_stream.config import IngestConfig
-from combee_stream.engine.offsets import PartitionOffsets
 from combee_stream.errors import DecodeError
 from combee_stream.formats import bound_task
 from combee_stream.formats.genai import (
@@ -85,6 +84,7 @@ from combee_stream.formats.genai import (
 )
 from combee_stream.formats.phoenix import Annotated
 from combee_stream.formats.spans import EVALUATION_EVENT, LogEvent, Span, Telemetry
+from combee_stream.kafka.offsets import PartitionOffsets
 from combee_stream.schemas import Feedback, FeedbackRecord, Trace, encode
 
 # A message's place: (topic, partition, offset).

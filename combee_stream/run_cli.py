@@ -1,4 +1,4 @@
-"""CLI: ``run``, the streaming engine."""
+"""CLI: ``run``, the streaming engine (with ``--ingest otel``, the ingest stage beside it)."""
 
 from __future__ import annotations
 
