@@ -23,6 +23,7 @@ from combee_stream.core.llm import LLMClient
 from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.reader import read_to_end
 from combee_stream.kafka.reader import read_updates as read_topic_updates
+from combee_stream.kafka.topics import run_topics
 from combee_stream.schemas import PromptUpdate, Trace
 from combee_stream.sim import IN_PROCESS_BASE_URL, SimSettings, sim_http_client, simulated_llm
 from combee_stream.sim.markers import retained_ids
@@ -45,13 +46,9 @@ def engine_config(
     max_wait_s: float = 0.5,
     session_timeout_ms: int | None = None,
 ) -> Config:
-    kafka = msgspec.structs.replace(
+    kafka = run_topics(
         config.kafka,
-        traces_topic=f"e.traces.{unique}",
-        prompts_topic=f"e.prompts.{unique}",
-        history_topic=f"e.history.{unique}",
-        dlq_topic=f"e.dlq.{unique}",
-        group_id=f"e.group.{unique}",
+        f"e.{unique}",
         partitions=partitions,
         session_timeout_ms=session_timeout_ms or config.kafka.session_timeout_ms,
     )

@@ -29,7 +29,7 @@ from rich.table import Table
 from combee_stream.agent import Answerer, PromptClient, RunRecorder
 from combee_stream.config import Config
 from combee_stream.core.llm import LLMClient
-from combee_stream.demo import _fresh_kafka, gate_note
+from combee_stream.demo.common import fresh_kafka, gate_note
 from combee_stream.engine import Engine
 from combee_stream.evaluation import compare, evaluate
 from combee_stream.kafka.producer import TraceProducer
@@ -90,7 +90,7 @@ async def run_live_demo(args: argparse.Namespace, config: Config) -> int:
     train = generate_tasks(args.tasks, seed=seed)
     held_out = generate_tasks(args.held_out, seed=seed + 1)
     async with AsyncExitStack() as stack:
-        cfg = await _fresh_kafka(config)
+        cfg = await fresh_kafka(config)
         cfg = await _with_model(stack, cfg, args)
         cfg = msgspec.structs.replace(
             cfg,
