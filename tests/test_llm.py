@@ -18,7 +18,9 @@ import pytest
 from structlog.testing import capture_logs
 
 from combee_stream.config import EmbeddingsConfig, LLMConfig, RoleConfig
-from combee_stream.core.llm import (
+from combee_stream.core.outputs import CuratorOutput, ReflectorOutput
+from combee_stream.errors import UserError
+from combee_stream.llm.client import (
     ChatMessage,
     Completion,
     LLMCallError,
@@ -32,9 +34,7 @@ from combee_stream.core.llm import (
     output_schema,
     schema_token_bound,
 )
-from combee_stream.core.memo import CompletionMemo, MemoEntry
-from combee_stream.core.outputs import CuratorOutput, ReflectorOutput
-from combee_stream.errors import UserError
+from combee_stream.llm.memo import CompletionMemo, MemoEntry
 from combee_stream.retry import RetryPolicy
 from combee_stream.schemas import AddOp
 from combee_stream.sim.server import SimServer, sim_server
@@ -580,7 +580,7 @@ def _walk(node: Any) -> list[dict[str, Any]]:
     ],
 )
 def test_which_http_errors_are_an_outage(status: int, code: str | None, kind: str) -> None:
-    from combee_stream.core.llm import status_kind
+    from combee_stream.llm.client import status_kind
 
     assert status_kind(status, code) == kind
 

@@ -15,7 +15,6 @@ from combee_stream.config import Config, LearningConfig
 from combee_stream.core.controller import Decision, FixedBatch
 from combee_stream.core.gate import Candidate, Verdict
 from combee_stream.core.learner import FailedTrace, Learner, Proposal, WindowError, WindowStats
-from combee_stream.core.llm import LLMClient
 from combee_stream.core.pipeline import (
     KeyPipeline,
     MemorySink,
@@ -26,6 +25,7 @@ from combee_stream.core.pipeline import (
 )
 from combee_stream.core.prompts import ReflectionRecord
 from combee_stream.core.versions import KeyChain
+from combee_stream.llm.client import LLMClient
 from combee_stream.schemas import GateRejection, Playbook, PromptUpdate, Source, Trace
 from combee_stream.sim import (
     IN_PROCESS_BASE_URL,

@@ -76,7 +76,6 @@ from combee_stream.core.hygiene import (
     review_edits,
     violates,
 )
-from combee_stream.core.llm import ChatMessage, Completion, LLMCallError, LLMClient, Role
 from combee_stream.core.outputs import (
     ConsolidatorOutput,
     CuratorOutput,
@@ -113,6 +112,7 @@ from combee_stream.core.scan import (
     strategy,
 )
 from combee_stream.errors import CombeeError
+from combee_stream.llm.client import ChatMessage, Completion, LLMCallError, LLMClient, Role
 from combee_stream.logs import get_logger
 from combee_stream.schemas import (
     AddOp,
@@ -139,7 +139,7 @@ log = get_logger(__name__)
 
 
 class LLM(Protocol):
-    """What the learner needs from :class:`combee_stream.core.llm.LLMClient`."""
+    """What the learner needs from :class:`combee_stream.llm.client.LLMClient`."""
 
     async def complete(
         self, role: Role, messages: list[ChatMessage], output_type: type[T]

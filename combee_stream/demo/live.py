@@ -28,12 +28,12 @@ from rich.table import Table
 
 from combee_stream.agent import Answerer, PromptClient, RunRecorder
 from combee_stream.config import Config
-from combee_stream.core.llm import LLMClient
 from combee_stream.demo.common import fresh_kafka, gate_note
 from combee_stream.engine import Engine
 from combee_stream.evaluation import compare, evaluate
 from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.subscriber import PromptSubscriber
+from combee_stream.llm.client import LLMClient
 from combee_stream.schemas import PromptUpdate
 from combee_stream.tasks import KEY, generate_tasks, task_feedback
 

@@ -38,7 +38,6 @@ from anyio.abc import TaskGroup
 from combee_stream.config import Config, required_secret
 from combee_stream.core.gate import PublishGate
 from combee_stream.core.learner import Learner, required_roles
-from combee_stream.core.llm import LLMClient
 from combee_stream.engine.intake import MAX_POLL_RECORDS, Intake
 from combee_stream.engine.metrics import EngineMetrics
 from combee_stream.engine.partition import KeyIndex, Partitions, PartitionState
@@ -49,6 +48,7 @@ from combee_stream.kafka.client import client_kwargs, start_client, stop_quietly
 from combee_stream.kafka.history import partition_of
 from combee_stream.kafka.reader import UpdateFetcher, index_partition
 from combee_stream.kafka.topics import ensure_topics
+from combee_stream.llm.client import LLMClient
 from combee_stream.logs import get_logger
 from combee_stream.schemas import Playbook, PromptUpdate
 

@@ -8,8 +8,8 @@ import anyio
 from msgspec import Struct
 
 from combee_stream.agent.answerer import Answerer
-from combee_stream.core.llm import LLMCallError
 from combee_stream.evaluation.stats import Paired, paired, wilson
+from combee_stream.llm.client import LLMCallError
 from combee_stream.tasks.base import Task, is_correct
 
 

@@ -37,13 +37,13 @@ from combee_stream.config import Config
 from combee_stream.core.controller import batch_policy
 from combee_stream.core.gate import PublishGate
 from combee_stream.core.learner import FailedTrace, Learner, required_roles
-from combee_stream.core.llm import LLMClient, RoleUsage
 from combee_stream.core.pipeline import KeyPipeline, PipelineSettings, Window, closed_inbox
 from combee_stream.core.prompts import PROMPTS_VERSION
 from combee_stream.core.scan import STRATEGIES
 from combee_stream.core.versions import KeyChain
 from combee_stream.errors import UserError
 from combee_stream.formats import trace_format
+from combee_stream.llm.client import LLMClient, RoleUsage
 from combee_stream.offline.source import BadLine, read_traces
 from combee_stream.offline.store import History, OutputDir
 from combee_stream.schemas import Playbook, PromptUpdate, Source, Trace

@@ -6,7 +6,7 @@ validates the reply with msgspec and re-asks the model with its own bad reply an
 it does not validate. Transport failures (429, 5xx, timeouts, connection errors) are retried
 with exponential backoff and full jitter; all attempts share one ``max_attempts`` budget. A
 failure every call would meet alike is an outage (see ``status_kind``): the endpoint's circuit
-breaker (``core.breaker``) makes callers wait for it instead of failing.
+breaker (``llm.breaker``) makes callers wait for it instead of failing.
 Every finished call is stored in a ``CompletionMemo``, so the same request is never paid twice.
 
 A reply cut at ``max_tokens`` (``finish_reason`` "length") is its own outcome: it is not
@@ -35,9 +35,9 @@ import openai
 from openai.types.chat import ChatCompletionMessageParam
 
 from combee_stream.config import EmbeddingsConfig, LLMConfig, RoleConfig
-from combee_stream.core.breaker import Breaker
-from combee_stream.core.memo import CompletionMemo, MemoEntry, request_key
 from combee_stream.errors import CombeeError, UserError
+from combee_stream.llm.breaker import Breaker
+from combee_stream.llm.memo import CompletionMemo, MemoEntry, request_key
 from combee_stream.logs import get_logger
 from combee_stream.retry import RetryPolicy
 from combee_stream.tokens import estimate_tokens
