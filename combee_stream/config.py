@@ -151,7 +151,7 @@ class LLMConfig(_Section):
     timeout_s: PositiveFloat = 60.0
     max_attempts: Positive = 4  # per call, covering transport errors and invalid replies
     # Consecutive outage failures that open the circuit breaker (no answer, or one every call
-    # gets alike: 5xx, 401/403, 404, 429 insufficient_quota; see llm.client.status_kind): calls
+    # gets alike: 5xx, 401/403, 404, 429 insufficient_quota; see llm.status.status_kind): calls
     # then wait for the endpoint (their attempts unspent) instead of failing their traces.
     breaker_threshold: Positive = 5
     memo_path: str = ""  # completion memo file; empty = in memory only

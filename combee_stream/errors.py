@@ -4,13 +4,13 @@
 CombeeError
 ├── UserError                  something the user can fix; the CLI prints it, exit code 2
 │   ├── ConfigError            a config file or COMBEE__* override is invalid
-│   ├── MissingEndpointError   an LLM role has no endpoint (llm.client)
+│   ├── MissingEndpointError   an LLM role has no endpoint (llm.endpoints)
 │   ├── BrokerError            the local broker could not be assembled or started (kafka.broker)
 │   ├── TopicMismatchError     a topic exists with settings the engine cannot run on (kafka.topics)
 │   └── StateLostError         the prompts topic is gone under committed progress (kafka.topics)
 ├── DecodeError                a record failed to decode or validate (also a ValueError)
 │   └── SchemaVersionError     a record names a schema version this build does not know
-├── LLMCallError               an LLM call failed for good (llm.client)
+├── LLMCallError               an LLM call failed for good (llm.transport)
 ├── WindowError                a window could not be reduced (core.learner)
 ├── UpdateTooLarge             the broker refused a version as too large (core.versions)
 ├── CalculatorError            the example agent's calculator refused an expression (agent)

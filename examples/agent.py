@@ -15,7 +15,7 @@ import anyio
 
 from combee_stream import TraceProducer, load_config
 from combee_stream.agent import Answerer, PromptClient, RunRecorder
-from combee_stream.llm.client import LLMClient
+from combee_stream.llm import LLMClient
 from combee_stream.tasks import generate_tasks, task_feedback
 
 

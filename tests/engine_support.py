@@ -23,7 +23,7 @@ from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.reader import read_to_end
 from combee_stream.kafka.reader import read_updates as read_topic_updates
 from combee_stream.kafka.topics import run_topics
-from combee_stream.llm.client import LLMClient
+from combee_stream.llm import LLMClient
 from combee_stream.schemas import PromptUpdate, Trace
 from combee_stream.sim import IN_PROCESS_BASE_URL, SimSettings, sim_http_client, simulated_llm
 from combee_stream.sim.markers import retained_ids

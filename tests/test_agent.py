@@ -18,7 +18,7 @@ from combee_stream.kafka.broker import start_broker, stop_broker
 from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.reader import read_to_end
 from combee_stream.kafka.topics import ensure_topics
-from combee_stream.llm.client import LLMClient
+from combee_stream.llm import LLMClient
 from combee_stream.prompts_cli import seed_prompt
 from combee_stream.schemas import DecodeError, Feedback, PromptUpdate, Trace, decode
 from combee_stream.sim import SimSettings, sim_server

@@ -72,7 +72,7 @@ def test_every_error_the_package_defines_derives_from_the_root_and_is_in_the_tre
     for name in errors.__all__:
         assert issubclass(getattr(errors, name), errors.CombeeError), name
     from combee_stream.core.learner import WindowError
-    from combee_stream.llm.client import LLMCallError, MissingEndpointError
+    from combee_stream.llm import LLMCallError, MissingEndpointError
 
     for error in (WindowError, LLMCallError, MissingEndpointError):
         assert issubclass(error, errors.CombeeError)

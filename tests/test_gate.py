@@ -33,7 +33,7 @@ from combee_stream.core.replay import AgentEvaluator, lower_bound
 from combee_stream.core.versions import KeyChain
 from combee_stream.engine import Engine
 from combee_stream.kafka.history import PRODUCTION, read_history
-from combee_stream.llm.client import LLMClient
+from combee_stream.llm import LLMClient
 from combee_stream.schemas import Feedback, HeldOutTask, PromptUpdate, Source, Trace
 from combee_stream.sim import (
     IN_PROCESS_BASE_URL,

@@ -471,7 +471,7 @@ async def test_a_partition_owned_again_never_publishes_through_a_producer_fenced
     from combee_stream.engine.partition import PartitionState
     from combee_stream.engine.publisher import Publisher
     from combee_stream.kafka.client import make_producer
-    from combee_stream.llm.client import LLMClient
+    from combee_stream.llm import LLMClient
 
     cfg = engine_config(config, unique, "http://127.0.0.1:9/v1")
     await ensure_topics(cfg.kafka)
@@ -1018,7 +1018,7 @@ async def test_an_open_breaker_with_no_caller_left_is_probed_closed() -> None:
     were): nothing would ever call the endpoint again while intake is paused for the outage.
     probe() (the engine's outage prober) finds it back."""
     from combee_stream.core.outputs import ReflectorOutput
-    from combee_stream.llm.client import LLMClient
+    from combee_stream.llm import LLMClient
     from combee_stream.sim import simulated_llm
 
     port = free_port()

@@ -452,7 +452,7 @@ def test_learner_uses_override_prompts_against_the_simulator(tmp_path: Path) -> 
     async def run() -> tuple[int, list[Source]]:
         async with sim_server(SimSettings(seed=8)) as server:
             config, env = sim_config(server.base_url, COMBEE__LEARNING__PROMPTS_DIR=str(tmp_path))
-            from combee_stream.llm.client import LLMClient
+            from combee_stream.llm import LLMClient
 
             async with LLMClient(config.llm, env=env) as client:
                 learner = Learner(client, config.learning)
@@ -473,7 +473,7 @@ def test_proposals_from_one_snapshot_commit_in_turn_with_rebase() -> None:
     async def run() -> None:
         async with sim_server(SimSettings(seed=9)) as server:
             config, env = sim_config(server.base_url)
-            from combee_stream.llm.client import LLMClient
+            from combee_stream.llm import LLMClient
 
             async with LLMClient(config.llm, env=env) as client:
                 learner = Learner(client, config.learning)

@@ -20,13 +20,16 @@ from structlog.testing import capture_logs
 from combee_stream.config import EmbeddingsConfig, LLMConfig, RoleConfig
 from combee_stream.core.outputs import CuratorOutput, ReflectorOutput
 from combee_stream.errors import UserError
-from combee_stream.llm.client import (
+from combee_stream.llm import (
     ChatMessage,
     Completion,
     LLMCallError,
     LLMClient,
     MissingEndpointError,
     Role,
+)
+from combee_stream.llm.memo import CompletionMemo, MemoEntry
+from combee_stream.llm.structured import (
     bound_schema,
     decode_reply,
     extract_json,
@@ -34,7 +37,6 @@ from combee_stream.llm.client import (
     output_schema,
     schema_token_bound,
 )
-from combee_stream.llm.memo import CompletionMemo, MemoEntry
 from combee_stream.retry import RetryPolicy
 from combee_stream.schemas import AddOp
 from combee_stream.sim.server import SimServer, sim_server
@@ -580,7 +582,7 @@ def _walk(node: Any) -> list[dict[str, Any]]:
     ],
 )
 def test_which_http_errors_are_an_outage(status: int, code: str | None, kind: str) -> None:
-    from combee_stream.llm.client import status_kind
+    from combee_stream.llm.status import status_kind
 
     assert status_kind(status, code) == kind
 
@@ -650,7 +652,9 @@ async def test_a_huge_call_timing_out_while_others_succeed_does_not_open_the_bre
                 stop.set()
     assert len(huge_failed) == 6 and all("timeout" in e.reason for e in huge_failed)
     assert small_done > 0
-    assert all(b.opened_at == 0.0 for b in llm._breakers.values()), "the breaker never opened"
+    assert all(b.opened_at == 0.0 for b in llm._transport.breakers.values()), (
+        "the breaker never opened"
+    )
 
 
 async def test_the_start_check_refuses_a_base_url_at_the_wrong_path(clean_sim: SimServer) -> None:

@@ -25,7 +25,7 @@ from combee_stream.core.pipeline import (
 )
 from combee_stream.core.prompts import ReflectionRecord
 from combee_stream.core.versions import KeyChain
-from combee_stream.llm.client import LLMClient
+from combee_stream.llm import LLMClient
 from combee_stream.schemas import GateRejection, Playbook, PromptUpdate, Source, Trace
 from combee_stream.sim import (
     IN_PROCESS_BASE_URL,

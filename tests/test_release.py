@@ -20,7 +20,7 @@ from combee_stream.engine import Engine
 from combee_stream.engine.release import Tally, bounds
 from combee_stream.kafka.history import PRODUCTION, in_canary, read_history
 from combee_stream.kafka.subscriber import PromptSubscriber
-from combee_stream.llm.client import LLMClient
+from combee_stream.llm import LLMClient
 from combee_stream.schemas import Feedback, LabelMove, Trace
 from combee_stream.sim import SimSettings, sim_server
 from combee_stream.sim.tasks import sim_tasks, task_traces

@@ -42,7 +42,7 @@ from combee_stream.core.learner import Learner
 from combee_stream.core.pipeline import KeyPipeline, MemorySink, Pending, PipelineSettings, Window
 from combee_stream.core.versions import KeyChain
 from combee_stream.evaluation.run import evaluate
-from combee_stream.llm.client import LLMClient
+from combee_stream.llm import LLMClient
 from combee_stream.schemas import PromptUpdate, Source, Trace
 from combee_stream.sim import LatencyModel, SimSettings, sim_server, simulated_llm
 from combee_stream.sim.tasks import sim_tasks, task_traces

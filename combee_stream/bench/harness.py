@@ -26,7 +26,7 @@ from combee_stream.kafka.broker import start_broker
 from combee_stream.kafka.client import client_kwargs
 from combee_stream.kafka.reader import read_updates as read_topic_updates
 from combee_stream.kafka.topics import run_topics
-from combee_stream.llm.client import LLMClient
+from combee_stream.llm import LLMClient
 from combee_stream.logs import get_logger
 from combee_stream.schemas import PromptUpdate, Trace, encode
 from combee_stream.sim import SimSettings, simulated_llm

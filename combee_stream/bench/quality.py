@@ -50,7 +50,7 @@ from combee_stream.config import Config
 from combee_stream.core.playbook import render
 from combee_stream.evaluation.run import EvalResult, TaskOutcome, compare, evaluate
 from combee_stream.evaluation.stats import Paired
-from combee_stream.llm.client import LLMCallError, LLMClient
+from combee_stream.llm import LLMCallError, LLMClient
 from combee_stream.offline import LearnReport, run_learn
 from combee_stream.offline.store import OutputDir
 from combee_stream.schemas import Playbook, PromptUpdate, Trace, decode, encode

@@ -29,7 +29,7 @@ from combee_stream.core.pipeline import KeyPipeline, MemorySink, closed_inbox
 from combee_stream.core.playbook import playbook_tokens
 from combee_stream.core.scan import ScanParams, plan
 from combee_stream.core.versions import KeyChain
-from combee_stream.llm.client import LLMClient
+from combee_stream.llm import LLMClient
 from combee_stream.offline.run import offline_settings
 from combee_stream.schemas import Playbook, Source, Trace
 from combee_stream.sim import (

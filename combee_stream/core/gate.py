@@ -18,7 +18,7 @@ from typing import Protocol
 from msgspec import Struct
 
 from combee_stream.config import Config
-from combee_stream.llm.client import LLMClient
+from combee_stream.llm import LLMClient
 from combee_stream.schemas import Delta, GateReport, Holdout, Playbook, Reflection
 
 

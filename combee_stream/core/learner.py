@@ -112,7 +112,7 @@ from combee_stream.core.scan import (
     strategy,
 )
 from combee_stream.errors import CombeeError
-from combee_stream.llm.client import ChatMessage, Completion, LLMCallError, LLMClient, Role
+from combee_stream.llm import ChatMessage, Completion, LLMCallError, LLMClient, Role
 from combee_stream.logs import get_logger
 from combee_stream.schemas import (
     AddOp,
@@ -139,7 +139,7 @@ log = get_logger(__name__)
 
 
 class LLM(Protocol):
-    """What the learner needs from :class:`combee_stream.llm.client.LLMClient`."""
+    """What the learner needs from :class:`combee_stream.llm.LLMClient`."""
 
     async def complete(
         self, role: Role, messages: list[ChatMessage], output_type: type[T]

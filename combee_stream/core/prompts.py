@@ -48,7 +48,7 @@ from msgspec import Struct
 from combee_stream.core.fencing import fence
 from combee_stream.core.playbook import PlaybookStats, find_bullet, render, stats
 from combee_stream.errors import UserError
-from combee_stream.llm.client import ChatMessage
+from combee_stream.llm import ChatMessage
 from combee_stream.schemas import Delta, Playbook, Reflection, Section, Trace, encode
 
 PROMPTS_VERSION: Final = "v1"

@@ -47,7 +47,7 @@ from combee_stream.core.gate import Candidate, Verdict
 from combee_stream.core.holdout import covers, review_tasks, with_regressions
 from combee_stream.core.playbook import render
 from combee_stream.errors import ConfigError
-from combee_stream.llm.client import LLMCallError, LLMClient
+from combee_stream.llm import LLMCallError, LLMClient
 from combee_stream.schemas import GateReport, HeldOutTask
 from combee_stream.tasks.base import SCORERS
 

@@ -33,7 +33,7 @@ from combee_stream.engine import Engine
 from combee_stream.evaluation import compare, evaluate
 from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.subscriber import PromptSubscriber
-from combee_stream.llm.client import LLMClient
+from combee_stream.llm import LLMClient
 from combee_stream.schemas import PromptUpdate
 from combee_stream.tasks import KEY, generate_tasks, task_feedback
 

@@ -48,7 +48,7 @@ from combee_stream.kafka.client import client_kwargs, start_client, stop_quietly
 from combee_stream.kafka.history import partition_of
 from combee_stream.kafka.reader import UpdateFetcher, index_partition
 from combee_stream.kafka.topics import ensure_topics
-from combee_stream.llm.client import LLMClient
+from combee_stream.llm import LLMClient
 from combee_stream.logs import get_logger
 from combee_stream.schemas import Playbook, PromptUpdate
 

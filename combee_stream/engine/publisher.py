@@ -48,7 +48,7 @@ from combee_stream.errors import BrokerUnavailableError
 from combee_stream.kafka.client import make_producer, start_client, stop_quietly
 from combee_stream.kafka.dlq import DeadLetter, send_dead_letter
 from combee_stream.kafka.producer import send_update
-from combee_stream.llm.client import LLMClient
+from combee_stream.llm import LLMClient
 from combee_stream.logs import get_logger
 from combee_stream.retry import RetryPolicy
 from combee_stream.schemas import PromptUpdate, Trace, encode

@@ -17,7 +17,7 @@ from combee_stream.core.playbook import render
 from combee_stream.errors import DecodeError, UserError
 from combee_stream.evaluation.run import EvalResult, compare, evaluate
 from combee_stream.kafka.reader import read_updates
-from combee_stream.llm.client import LLMClient
+from combee_stream.llm import LLMClient
 from combee_stream.schemas import Playbook, decode
 from combee_stream.tasks import load_tasks
 

@@ -43,7 +43,7 @@ from combee_stream.core.scan import STRATEGIES
 from combee_stream.core.versions import KeyChain
 from combee_stream.errors import UserError
 from combee_stream.formats import trace_format
-from combee_stream.llm.client import LLMClient, RoleUsage
+from combee_stream.llm import LLMClient, RoleUsage
 from combee_stream.offline.source import BadLine, read_traces
 from combee_stream.offline.store import History, OutputDir
 from combee_stream.schemas import Playbook, PromptUpdate, Source, Trace
