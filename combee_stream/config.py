@@ -139,7 +139,8 @@ class LLMConfig(_Section):
     reflector: RoleConfig = field(default_factory=RoleConfig)
     curator: RoleConfig = field(default_factory=RoleConfig)
     combiner: RoleConfig = field(default_factory=RoleConfig)
-    # The example agent (combee_stream.agent.Answerer): `eval`, the quality benchmark, the demo.
+    # The example agent (combee_stream.evaluation.Answerer): `eval`, the quality benchmark, the
+    # demo.
     agent: RoleConfig = field(default_factory=RoleConfig)
     # The LLM judge of the replay gate (gate.scorer = "judge"): is an answer right, given the
     # task and its reference answer? A separate role, so it can be a stronger model.

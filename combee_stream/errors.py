@@ -13,7 +13,7 @@ CombeeError
 ├── LLMCallError               an LLM call failed for good (llm.transport)
 ├── WindowError                a window could not be reduced (core.learner)
 ├── UpdateTooLarge             the broker refused a version as too large (core.versions)
-├── CalculatorError            the example agent's calculator refused an expression (agent)
+├── CalculatorError            the example agent's calculator refused an expression (evaluation)
 └── EngineHalted               the engine stopped itself; the CLI prints it, exit code 1
     ├── BrokerUnavailableError the broker could not be written or read past the deadline
     └── UndecodableStateError  a prompts-topic record cannot be decoded at restore (kafka.reader)

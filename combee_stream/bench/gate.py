@@ -34,13 +34,13 @@ import anyio
 import msgspec
 from msgspec import Struct, field
 
-from combee_stream.agent.answerer import Answerer
 from combee_stream.bench.report import SIMULATED, Target, document, percentile, table
 from combee_stream.config import Config, GateConfig, LearningConfig
 from combee_stream.core.controller import batch_policy
 from combee_stream.core.learner import Learner
 from combee_stream.core.pipeline import KeyPipeline, MemorySink, Pending, PipelineSettings, Window
 from combee_stream.core.versions import KeyChain
+from combee_stream.evaluation.answerer import Answerer
 from combee_stream.evaluation.run import evaluate
 from combee_stream.llm import LLMClient
 from combee_stream.schemas import PromptUpdate, Source, Trace

@@ -26,11 +26,11 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 
-from combee_stream.agent import Answerer, PromptClient, RunRecorder
+from combee_stream.agent import PromptClient, RunRecorder
 from combee_stream.config import Config
 from combee_stream.demo.common import fresh_kafka, gate_note
 from combee_stream.engine import Engine
-from combee_stream.evaluation import compare, evaluate
+from combee_stream.evaluation import Answerer, compare, evaluate
 from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.subscriber import PromptSubscriber
 from combee_stream.llm import LLMClient

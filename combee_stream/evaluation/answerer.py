@@ -12,8 +12,8 @@ from typing import Final
 
 from msgspec import Struct
 
-from combee_stream.agent.calculator import CalculatorError, evaluate
 from combee_stream.core.fencing import fence
+from combee_stream.evaluation.calculator import CalculatorError, evaluate
 from combee_stream.llm import ChatMessage, LLMClient
 
 # Every arm sends this same system message, the playbook empty or not: with no system message
