@@ -5,11 +5,9 @@ Errors derive from :class:`CombeeError` (tree in :mod:`combee_stream.errors`).
 """
 
 from combee_stream.config import Config, load_config
-from combee_stream.engine import Engine
 from combee_stream.errors import CombeeError, ConfigError, UserError
 from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.subscriber import PromptSubscriber
-from combee_stream.offline import run_learn
 from combee_stream.schemas import (
     Feedback,
     Playbook,
@@ -17,6 +15,7 @@ from combee_stream.schemas import (
     Step,
     Trace,
 )
+from combee_stream.wiring import Engine, run_learn
 
 __all__ = [
     "CombeeError",

@@ -26,7 +26,7 @@ _COMMAND_MODULES = (
     "combee_stream.sim.cli",
     "combee_stream.localllm.cli",
     "combee_stream.prompts_cli",
-    "combee_stream.offline.cli",
+    "combee_stream.learn_cli",
     "combee_stream.run_cli",
     "combee_stream.ingest.cli",
     "combee_stream.evaluation.cli",

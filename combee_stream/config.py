@@ -367,7 +367,7 @@ class GateConfig(_Section):
     min_samples: Positive = 20
     # Non-inferiority: accept when the lower bound of the paired difference in accuracy
     # (candidate - current) at this one-sided confidence is above -margin (the statistic is in
-    # core/replay.py; with 20 tasks, a candidate that changes none passes at 0.1, one that
+    # evaluation/replay.py; with 20 tasks, a candidate that changes none passes at 0.1, one that
     # loses one fails).
     margin: Annotated[float, Meta(ge=0, le=1)] = 0.1
     confidence: Annotated[float, Meta(gt=0.5, lt=1)] = 0.95

@@ -27,6 +27,7 @@ from combee_stream.llm import LLMClient
 from combee_stream.schemas import PromptUpdate, Trace
 from combee_stream.sim import IN_PROCESS_BASE_URL, SimSettings, sim_http_client, simulated_llm
 from combee_stream.sim.markers import retained_ids
+from combee_stream.wiring import build_learner
 
 REPO = Path(__file__).resolve().parents[1]
 # The deployment's secrets a test engine runs with (the held-out choice, the canary split).
@@ -71,12 +72,12 @@ def engine_config(
 
 @asynccontextmanager
 async def sim_learner(cfg: Config, seed: int = 0) -> AsyncIterator[Learner]:
-    """``Learner.from_config(cfg)`` with every LLM role on an in-process simulator."""
+    """``build_learner(cfg)`` with every LLM role on an in-process simulator."""
     cfg = msgspec.structs.replace(cfg, llm=simulated_llm(IN_PROCESS_BASE_URL, cfg.llm))
     async with sim_http_client(SimSettings(seed=seed)) as http:
         llm = LLMClient(cfg.llm, http_client=http, env={})
         try:
-            yield Learner.from_config(cfg, llm, env=SECRETS)
+            yield build_learner(cfg, llm, env=SECRETS)
         finally:
             await llm.aclose()
 

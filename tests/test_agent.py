@@ -10,9 +10,9 @@ import anyio
 import pytest
 from engine_support import audit, engine_config, read_updates
 
+from combee_stream import Engine
 from combee_stream.agent import PromptClient, RunRecorder
 from combee_stream.config import BrokerConfig, Config
-from combee_stream.engine import Engine
 from combee_stream.evaluation import Answerer, evaluate
 from combee_stream.kafka.broker import start_broker, stop_broker
 from combee_stream.kafka.producer import TraceProducer

@@ -27,6 +27,7 @@ from engine_support import (
     wait_until_learned,
 )
 
+from combee_stream import Engine
 from combee_stream.config import Config
 from combee_stream.core.playbook import new_playbook
 from combee_stream.core.prompts import (
@@ -36,7 +37,6 @@ from combee_stream.core.prompts import (
     reflector_messages,
 )
 from combee_stream.core.versions import update_bytes
-from combee_stream.engine import Engine
 from combee_stream.engine.partition import KeyIndex
 from combee_stream.errors import DecodeError
 from combee_stream.kafka.topics import ensure_topics

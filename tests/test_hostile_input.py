@@ -16,9 +16,9 @@ import msgspec
 import pytest
 from engine_support import engine_config, produce, read_dlq, wait_until_learned
 
+from combee_stream import Engine
 from combee_stream.config import Config, load_config
 from combee_stream.core.versions import seed_update
-from combee_stream.engine import Engine
 from combee_stream.errors import DecodeError
 from combee_stream.formats import trace_format
 from combee_stream.formats.otlp import decode_telemetry

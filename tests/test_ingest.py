@@ -35,8 +35,8 @@ from otel_agent import AgentRun, encode, per_trace_slices, run_agent
 from otel_support import run_collector
 from prometheus_client.parser import text_string_to_metric_families
 
+from combee_stream import Engine
 from combee_stream.config import Config
-from combee_stream.engine import Engine
 from combee_stream.formats.genai import trace_from_spans
 from combee_stream.formats.otlp import decode_telemetry
 from combee_stream.ingest import IngestStage

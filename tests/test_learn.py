@@ -17,14 +17,14 @@ import anyio
 import msgspec
 import pytest
 
-from combee_stream import cli
+from combee_stream import cli, run_learn
 from combee_stream.config import Config, load_config
 from combee_stream.core.gate import Candidate, Verdict
 from combee_stream.core.learner import Learner
 from combee_stream.core.playbook import new_playbook
 from combee_stream.core.prompts import load_prompts
 from combee_stream.errors import UserError
-from combee_stream.offline import LearnReport, run_learn
+from combee_stream.offline import LearnReport
 from combee_stream.schemas import (
     BudgetRejection,
     GateRejection,

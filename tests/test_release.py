@@ -14,8 +14,8 @@ import msgspec
 import pytest
 from engine_support import CANARY_SECRET, SECRETS, engine_config, produce, read_updates
 
+from combee_stream import Engine
 from combee_stream.config import Config, GateConfig
-from combee_stream.engine import Engine
 from combee_stream.engine.release import Tally, bounds
 from combee_stream.evaluation.answerer import Answerer
 from combee_stream.kafka.history import PRODUCTION, in_canary, read_history

@@ -20,7 +20,6 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
 from combee_stream.config import Config, KafkaConfig
-from combee_stream.engine import Engine
 from combee_stream.errors import UserError
 from combee_stream.kafka.broker import start_broker
 from combee_stream.kafka.client import client_kwargs
@@ -30,6 +29,7 @@ from combee_stream.llm import LLMClient
 from combee_stream.logs import get_logger
 from combee_stream.schemas import PromptUpdate, Trace, encode
 from combee_stream.sim import SimSettings, simulated_llm
+from combee_stream.wiring import Engine
 
 log = get_logger(__name__)
 

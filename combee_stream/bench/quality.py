@@ -51,10 +51,11 @@ from combee_stream.evaluation.answerer import Answerer
 from combee_stream.evaluation.run import EvalResult, TaskOutcome, compare, evaluate
 from combee_stream.evaluation.stats import Paired
 from combee_stream.llm import LLMCallError, LLMClient
-from combee_stream.offline import LearnReport, run_learn
+from combee_stream.offline import LearnReport
 from combee_stream.offline.store import OutputDir
 from combee_stream.schemas import Playbook, PromptUpdate, Trace, decode, encode
 from combee_stream.tasks import KEY, Task, load_tasks, task_feedback
+from combee_stream.wiring import run_learn
 
 STRATEGIES = ("sequential", "naive", "combee")
 DEFAULT_STRATEGIES = ("naive", "combee")

@@ -48,8 +48,9 @@ Decisions (Combee notes §8):
   ``stats.held_out``) and carries them in the key's held-out tasks; a window of held-out traces
   only still yields a version (unchanged playbook), so their offsets are committed like any.
 
-:meth:`Learner.from_config` is the one constructor of a configured learner (strategy, scan
-parameters, prompts, embeddings, gate), used by every driver.
+:func:`combee_stream.wiring.build_learner` is the one constructor of a configured learner
+(strategy, scan parameters, prompts, embeddings, gate, size bound); a driver is handed it as a
+:data:`LearnerFactory`.
 """
 
 from __future__ import annotations
@@ -64,9 +65,9 @@ import anyio
 import msgspec
 from msgspec import Struct
 
-from combee_stream.config import Config, LearningConfig, required_secret
+from combee_stream.config import Config, LearningConfig
 from combee_stream.core.delta import empty, merge, rebase
-from combee_stream.core.gate import AcceptAll, Candidate, PublishGate, Verdict, gate_from_config
+from combee_stream.core.gate import AcceptAll, Candidate, PublishGate, Verdict
 from combee_stream.core.holdout import HoldoutPolicy
 from combee_stream.core.hygiene import (
     DEFAULT_POLICY,
@@ -280,39 +281,6 @@ class Learner:
             fan_in=learning.fan_in,
             combine=learning.combine,
             single_group=self.spec.single_group,
-        )
-
-    @classmethod
-    def from_config(
-        cls,
-        config: Config,
-        llm: LLMClient,
-        *,
-        strategy_name: str | None = None,
-        gate: PublishGate | None = None,
-        env: Mapping[str, str] | None = None,
-    ) -> Learner:
-        """A learner with every option of ``config`` wired: strategy, scan parameters, prompt
-        overrides, semantic dedup through ``llm``'s embeddings endpoint when
-        ``llm.embeddings.enabled``, and the gate (``gate``, else the one ``config.gate`` asks for,
-        with its held-out policy, keyed by the secret ``gate.holdout_secret_env`` names in
-        ``env``, default the process environment). Fails fast (``MissingEndpointError``) when a
-        role it will call has no endpoint, ``ConfigError`` when the replay gate has no secret."""
-        llm.require(*required_roles(config, strategy_name))  # type: ignore[arg-type]
-        holdout = None
-        if config.gate.replay:
-            key = required_secret(config.gate.holdout_secret_env, "gate.replay", env)
-            holdout = HoldoutPolicy(config.gate, key)
-        embeddings = config.llm.embeddings
-        return cls(
-            llm,
-            config.learning,
-            embed=llm.embed if embeddings.enabled else None,
-            dedup_threshold=embeddings.threshold,
-            strategy_name=strategy_name,
-            gate=gate or gate_from_config(config, llm),
-            holdout=holdout,
-            max_update_bytes=config.kafka.max_message_bytes,
         )
 
     async def learn_window(
@@ -843,6 +811,10 @@ class Learner:
         return completion.value
 
 
+# How a driver gets its learner: from the config it runs with and the LLM client it made.
+LearnerFactory = Callable[[Config, LLMClient], Learner]
+
+
 def _without(playbook: Playbook, ids: set[str]) -> Playbook:
     """A copy of ``playbook`` without the bullets ``ids``."""
     out = copy_playbook(playbook)
@@ -867,6 +839,7 @@ __all__ = [
     "LLM",
     "FailedTrace",
     "Learner",
+    "LearnerFactory",
     "Proposal",
     "WindowError",
     "WindowResult",

@@ -29,13 +29,13 @@ from rich.table import Table
 from combee_stream.agent import PromptClient, RunRecorder
 from combee_stream.config import Config
 from combee_stream.demo.common import fresh_kafka, gate_note
-from combee_stream.engine import Engine
 from combee_stream.evaluation import Answerer, compare, evaluate
 from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.subscriber import PromptSubscriber
 from combee_stream.llm import LLMClient
 from combee_stream.schemas import PromptUpdate
 from combee_stream.tasks import KEY, generate_tasks, task_feedback
+from combee_stream.wiring import Engine
 
 AGENT_CONCURRENCY = 2  # leaves the model's other slots to the reflector and curator
 

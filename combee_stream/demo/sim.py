@@ -15,7 +15,6 @@ from aiokafka import AIOKafkaConsumer
 
 from combee_stream.config import Config, GateConfig
 from combee_stream.demo.common import fresh_kafka, gate_note, say
-from combee_stream.engine import Engine
 from combee_stream.kafka.client import client_kwargs
 from combee_stream.kafka.dlq import H_ERROR
 from combee_stream.kafka.producer import TraceProducer
@@ -23,6 +22,7 @@ from combee_stream.kafka.subscriber import PromptSubscriber
 from combee_stream.prompts_cli import seed_prompt
 from combee_stream.sim import LatencyModel, SimSettings, sim_server, simulated_llm
 from combee_stream.sim.tasks import INJECTION, sim_tasks, task_traces
+from combee_stream.wiring import Engine
 
 # The demo's publish gate: small held-out samples (a demo stream is short), a wide margin.
 DEMO_GATE = GateConfig(replay=True, holdout_fraction=0.3, min_samples=6, margin=0.2, scorer="exact")
