@@ -20,6 +20,7 @@ from combee_stream.core.holdout import HoldoutPolicy
 from combee_stream.core.learner import Learner, required_roles
 from combee_stream.engine import engine
 from combee_stream.evaluation.replay import ReplayGate
+from combee_stream.kafka.sizes import update_bytes
 from combee_stream.llm import LLMClient
 from combee_stream.offline import run as offline
 from combee_stream.offline.run import LearnReport
@@ -62,6 +63,7 @@ def build_learner(
         gate=gate or build_gate(config, llm),
         holdout=holdout,
         max_update_bytes=config.kafka.max_message_bytes,
+        update_size=update_bytes,
     )
 
 

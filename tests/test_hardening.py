@@ -36,9 +36,9 @@ from combee_stream.core.prompts import (
     load_prompts,
     reflector_messages,
 )
-from combee_stream.core.versions import update_bytes
 from combee_stream.engine.partition import KeyIndex
 from combee_stream.errors import DecodeError
+from combee_stream.kafka.sizes import update_bytes
 from combee_stream.kafka.topics import ensure_topics
 from combee_stream.schemas import (
     Feedback,

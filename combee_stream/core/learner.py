@@ -33,9 +33,10 @@ Decisions (Combee notes §8):
   empty one if even that does not fit), so every window yields exactly one new version and the
   traces are not learned twice.
 - **Size.** A version must fit the prompts and history topics (``kafka.max_message_bytes``):
-  the driver's ``measure`` gives the exact bytes of the version a result makes (its encoded
-  ``PromptUpdate``, held-out tasks and JSON escaping included, as a record batch:
-  :func:`~combee_stream.core.versions.update_bytes`). A candidate over it falls back like a
+  ``update_size`` (given with ``max_update_bytes``: the wiring's is
+  :func:`~combee_stream.kafka.sizes.update_bytes`, a record batch) and the driver's chain give
+  the exact bytes of the version a result makes (its encoded ``PromptUpdate``, held-out tasks
+  and JSON escaping included). A candidate over it falls back like a
   budget rejection, with a ``SizeRejection``, before the gate reviews it; whatever the fallbacks
   and the gate made is measured again, and if it is over, the window becomes its smallest
   version (:meth:`Learner.size_rejected`). So no window can block its key on a record the
@@ -126,6 +127,7 @@ from combee_stream.schemas import (
     HeldOutTask,
     Holdout,
     Playbook,
+    PromptUpdate,
     Reflection,
     Rejection,
     RemoveOp,
@@ -145,6 +147,10 @@ class LLM(Protocol):
     async def complete(
         self, role: Role, messages: list[ChatMessage], output_type: type[T]
     ) -> Completion[T]: ...
+
+
+# The bytes a version takes where the driver publishes it (what ``max_update_bytes`` bounds).
+UpdateSize = Callable[[PromptUpdate], int]
 
 
 class WindowError(CombeeError):
@@ -264,10 +270,14 @@ class Learner:
         gate: PublishGate | None = None,
         holdout: HoldoutPolicy | None = None,
         max_update_bytes: int | None = None,
+        update_size: UpdateSize | None = None,
     ) -> None:
+        if (max_update_bytes is None) != (update_size is None):
+            raise ValueError("max_update_bytes and update_size bound a version together")
         self._llm = llm
         self.holdout = holdout
         self.max_update_bytes = max_update_bytes  # what a version may take (None: unbounded)
+        self.update_size = update_size  # how many bytes a version takes (what bounds it)
         self._config = learning
         defaults = DEFAULT_POLICY if learning.default_content_policy else ()
         self._policy = compile_policy([*defaults, *learning.content_policy])
@@ -841,6 +851,7 @@ __all__ = [
     "Learner",
     "LearnerFactory",
     "Proposal",
+    "UpdateSize",
     "WindowError",
     "WindowResult",
     "WindowStats",
