@@ -19,8 +19,9 @@ CombeeError
     └── UndecodableStateError  a prompts-topic record cannot be decoded at restore (kafka.reader)
 ```
 
-The subclasses live beside the code that raises them and are re-exported where the public API
-needs them; this module holds the root and the classes several subpackages share.
+The subclasses live beside the code that raises them; this module holds the root and the classes
+several subpackages share, and the package exports every class of the tree
+(``combee_stream.__all__``, checked by ``tests/test_api.py``).
 
 Errors that stay inside the package (retry signals of the LLM client, say) do not derive from it.
 """
