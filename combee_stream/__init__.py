@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Final
 if TYPE_CHECKING:
     from combee_stream.config import Config, load_config
     from combee_stream.core.gate import AcceptAll, Candidate, PublishGate, Verdict
-    from combee_stream.core.learner import FailedTrace, Learner, WindowError
+    from combee_stream.core.learner import Learner, WindowError
     from combee_stream.core.pipeline import (
         KeyPipeline,
         MemorySink,
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         Window,
         closed_inbox,
     )
+    from combee_stream.core.results import FailedTrace
     from combee_stream.core.versions import KeyChain, UpdateTooLarge
     from combee_stream.errors import (
         BrokerUnavailableError,
@@ -77,7 +78,7 @@ _HOMES: Final = {
     "closed_inbox": "combee_stream.core.pipeline",
     "KeyChain": "combee_stream.core.versions",
     "Learner": "combee_stream.core.learner",
-    "FailedTrace": "combee_stream.core.learner",
+    "FailedTrace": "combee_stream.core.results",
     "TraceFormat": "combee_stream.formats",
     # the exception tree
     "CombeeError": "combee_stream.errors",

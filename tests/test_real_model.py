@@ -38,8 +38,9 @@ import msgspec
 import pytest
 
 from combee_stream.config import LearningConfig, LLMConfig
-from combee_stream.core.learner import Learner, WindowResult
+from combee_stream.core.learner import Learner
 from combee_stream.core.playbook import new_playbook, render
+from combee_stream.core.results import WindowResult
 from combee_stream.llm import ChatMessage, Completion, LLMClient, RoleUsage
 from combee_stream.localllm.build import is_built
 from combee_stream.localllm.server import LocalServer, local_llm_config

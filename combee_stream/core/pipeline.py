@@ -35,15 +35,9 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from combee_stream.core.controller import BatchPolicy
-from combee_stream.core.learner import (
-    FailedTrace,
-    Learner,
-    Proposal,
-    WindowError,
-    WindowResult,
-    WindowStats,
-)
+from combee_stream.core.learner import Learner, WindowError
 from combee_stream.core.prompts import ReflectionRecord
+from combee_stream.core.results import FailedTrace, Proposal, WindowResult, WindowStats
 from combee_stream.core.versions import KeyChain, UpdateTooLarge, WindowInfo, revert_onto
 from combee_stream.logs import get_logger
 from combee_stream.schemas import HeldOutTask, Playbook, PromptUpdate, Source, Trace

@@ -34,8 +34,8 @@ from typing import Final
 
 from msgspec import Struct
 
-from combee_stream.core.learner import UpdateSize, WindowResult
 from combee_stream.core.playbook import copy_playbook, new_playbook, render
+from combee_stream.core.results import UpdateSize, WindowResult
 from combee_stream.errors import CombeeError, DecodeError
 from combee_stream.schemas import (
     Holdout,

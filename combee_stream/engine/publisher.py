@@ -38,9 +38,9 @@ from aiokafka.errors import (
 )
 
 from combee_stream.config import Config
-from combee_stream.core.learner import FailedTrace
 from combee_stream.core.pipeline import Window
 from combee_stream.core.playbook import playbook_tokens
+from combee_stream.core.results import FailedTrace
 from combee_stream.core.versions import KeyChain, UpdateTooLarge
 from combee_stream.engine.metrics import EngineMetrics
 from combee_stream.engine.partition import KeyIndex, Partitions, PartitionState

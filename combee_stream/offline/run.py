@@ -35,9 +35,10 @@ from msgspec import Struct
 
 from combee_stream.config import Config
 from combee_stream.core.controller import batch_policy
-from combee_stream.core.learner import FailedTrace, LearnerFactory, required_roles
+from combee_stream.core.learner import LearnerFactory, required_roles
 from combee_stream.core.pipeline import KeyPipeline, PipelineSettings, Window, closed_inbox
 from combee_stream.core.prompts import PROMPTS_VERSION
+from combee_stream.core.results import FailedTrace
 from combee_stream.core.scan import STRATEGIES
 from combee_stream.core.versions import KeyChain
 from combee_stream.errors import UserError
