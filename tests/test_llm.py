@@ -613,6 +613,32 @@ async def test_a_removed_model_waits_in_the_breaker_and_resumes_when_it_is_back(
     assert len(done) == 1 and not llm.outage
 
 
+async def test_an_embeddings_call_waits_out_an_outage_like_a_chat_call() -> None:
+    """One retry loop for every call kind: an embeddings batch whose model is gone waits in
+    its breaker with its attempts unspent (two attempts would fail it at once otherwise) and
+    completes once the model is served again."""
+    settings = SimSettings(models=("sim-llm",))  # the embedding model removed
+    async with sim_server(settings) as srv:
+        cfg = llm_config(srv.base_url, max_attempts=2, breaker_threshold=1)
+        async with LLMClient(cfg, env={}, retry=FAST) as llm:
+            async with anyio.create_task_group() as tg:
+                done: list[list[list[float]]] = []
+
+                async def call() -> None:
+                    done.append(await llm.embed(["check the units", "cite the ledger"]))
+
+                tg.start_soon(call)
+                with anyio.fail_after(30):
+                    while not llm.outage:  # noqa: ASYNC110 - a flag the client sets
+                        await anyio.sleep(0.01)
+                await anyio.sleep(2.5)  # probes at 1 s backoff: several fail meanwhile
+                assert llm.outage and not done
+                srv.app.settings = SimSettings()  # the model is served again
+    assert len(done) == 1 and len(done[0]) == 2 and not llm.outage
+    usage = llm.usage()["embeddings"]
+    assert usage.calls == 1 and usage.failed_calls == 0
+
+
 async def test_a_huge_call_timing_out_while_others_succeed_does_not_open_the_breaker() -> None:
     """A call that times out while other calls of the endpoint are answered is that trace's
     problem (a huge prompt): it spends its attempts and fails; the breaker stays closed, so
