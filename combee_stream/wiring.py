@@ -1,7 +1,7 @@
 """The wiring: a learner, its publish gate and the drivers, built from a config.
 
 The layers below know nothing of each other's choices: the learning core takes its gate, its
-size bound and its LLM as given, the drivers (the engine, offline ``learn``) take a
+prompts, its size bound and its LLM as given, the drivers (the engine, offline ``learn``) take a
 :data:`~combee_stream.core.learner.LearnerFactory`, and the replay gate lives with the
 evaluation code it uses. This module is where a config becomes those parts, the one place that
 imports them all; the CLI and the public API (:class:`Engine`, :func:`run_learn`) go through
@@ -11,6 +11,7 @@ it.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from importlib import resources
 from pathlib import Path
 from typing import TextIO
 
@@ -18,12 +19,37 @@ from combee_stream.config import Config, required_secret
 from combee_stream.core.gate import AcceptAll, PublishGate
 from combee_stream.core.holdout import HoldoutPolicy
 from combee_stream.core.learner import Learner, required_roles
+from combee_stream.core.prompts import PromptRole, Prompts, Template, parse_template
 from combee_stream.engine import engine
+from combee_stream.errors import UserError
 from combee_stream.evaluation.replay import ReplayGate
 from combee_stream.kafka.sizes import update_bytes
 from combee_stream.llm import LLMClient
 from combee_stream.offline import run as offline
 from combee_stream.offline.run import LearnReport
+
+
+def load_prompts(prompts_dir: str | Path = "") -> Prompts:
+    """The packaged templates, with any of ``prompts_dir/{role}.md`` taking their place."""
+    folder = Path(prompts_dir) if prompts_dir else None
+    if folder is not None and not folder.is_dir():
+        raise UserError(f"prompts_dir {folder} is not a folder")
+    packaged = resources.files("combee_stream.core").joinpath("prompts")
+    loaded: dict[PromptRole, Template] = {}
+    roles: tuple[PromptRole, ...] = ("reflector", "curator", "combiner", "consolidator")
+    for role in roles:
+        override = folder / f"{role}.md" if folder is not None else None
+        if override is not None and override.is_file():
+            loaded[role] = parse_template(role, override.read_text(), str(override))
+        else:
+            resource = packaged.joinpath(f"{role}.md")
+            loaded[role] = parse_template(role, resource.read_text(), f"(packaged) {role}.md")
+    return Prompts(
+        reflector=loaded["reflector"],
+        curator=loaded["curator"],
+        combiner=loaded["combiner"],
+        consolidator=loaded["consolidator"],
+    )
 
 
 def build_gate(config: Config, llm: LLMClient) -> PublishGate:
@@ -41,11 +67,12 @@ def build_learner(
     gate: PublishGate | None = None,
     env: Mapping[str, str] | None = None,
 ) -> Learner:
-    """A learner with every option of ``config`` wired: strategy, scan parameters, prompt
-    overrides, semantic dedup through ``llm``'s embeddings endpoint when
-    ``llm.embeddings.enabled``, the size bound of a version (``kafka.max_message_bytes``), and
-    the gate (``gate``, else the one ``config.gate`` asks for, with its held-out policy, keyed
-    by the secret ``gate.holdout_secret_env`` names in ``env``, default the process
+    """A learner with every option of ``config`` wired: strategy, scan parameters, the prompts
+    (:func:`load_prompts` of ``learning.prompts_dir``), semantic dedup through ``llm``'s
+    embeddings endpoint when ``llm.embeddings.enabled``, the size bound of a version
+    (``kafka.max_message_bytes``, measured by :func:`~combee_stream.kafka.sizes.update_bytes`),
+    and the gate (``gate``, else the one ``config.gate`` asks for, with its held-out policy,
+    keyed by the secret ``gate.holdout_secret_env`` names in ``env``, default the process
     environment). Fails fast (``MissingEndpointError``) when a role it will call has no
     endpoint, ``ConfigError`` when the replay gate has no secret."""
     llm.require(*required_roles(config, strategy_name))  # type: ignore[arg-type]
@@ -54,13 +81,15 @@ def build_learner(
         key = required_secret(config.gate.holdout_secret_env, "gate.replay", env)
         holdout = HoldoutPolicy(config.gate, key)
     embeddings = config.llm.embeddings
+    gate = gate or build_gate(config, llm)
     return Learner(
         llm,
         config.learning,
+        prompts=load_prompts(config.learning.prompts_dir),
         embed=llm.embed if embeddings.enabled else None,
         dedup_threshold=embeddings.threshold,
         strategy_name=strategy_name,
-        gate=gate or build_gate(config, llm),
+        gate=gate,
         holdout=holdout,
         max_update_bytes=config.kafka.max_message_bytes,
         update_size=update_bytes,
@@ -126,4 +155,4 @@ async def run_learn(
     )
 
 
-__all__ = ["Engine", "build_gate", "build_learner", "run_learn"]
+__all__ = ["Engine", "build_gate", "build_learner", "load_prompts", "run_learn"]

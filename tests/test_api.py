@@ -268,6 +268,24 @@ def test_no_module_imports_itself_through_a_circle() -> None:
     assert circles == []
 
 
+def test_the_learning_core_reads_no_files_and_speaks_to_no_broker_or_endpoint() -> None:
+    """Its stores, sizes, prompts and LLM are handed to it (the wiring): no file, Kafka or HTTP
+    library is imported in core/, and nothing there opens a file."""
+    outside = {"pathlib", "os", "io", "importlib", "shutil", "tempfile", "aiokafka", "openai"}
+    outside |= {"httpx2", "uvicorn", "sqlite3"}
+    for path in (PACKAGE / "core").glob("*.py"):
+        roots = {m.split(".")[0] for m in imports_of(path)}
+        assert roots & outside == set(), f"core/{path.name} imports {roots & outside}"
+        calls = [
+            node
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name | ast.Attribute)
+            and (getattr(node.func, "id", None) == "open"
+                 or getattr(node.func, "attr", None) in {"open", "read_text", "write_text"})
+        ]  # fmt: skip
+        assert calls == [], f"core/{path.name} opens a file"
+
+
 def test_the_public_api_is_loaded_from_the_homes_its_type_imports_name() -> None:
     """The facade loads its names lazily from a table; the TYPE_CHECKING imports say the same,
     so the package rules above see every import the facade makes."""

@@ -101,7 +101,6 @@ from combee_stream.core.prompts import (
     combiner_messages,
     consolidator_messages,
     curator_messages,
-    load_prompts,
     reflector_messages,
 )
 from combee_stream.core.results import (
@@ -180,16 +179,17 @@ def required_roles(config: Config, strategy_name: str | None = None) -> list[Rol
 
 
 class Learner:
-    """Learns one window at a time; holds no playbook state (the caller owns the versions)."""
+    """Learns one window at a time; holds no playbook state (the caller owns the versions).
+    Everything it works with is given: the LLM, the prompts, the gate, the size bound."""
 
     def __init__(
         self,
         llm: LLM,
         learning: LearningConfig,
         *,
+        prompts: Prompts,
         embed: EmbedFn | None = None,
         dedup_threshold: float = 0.9,
-        prompts: Prompts | None = None,
         strategy_name: str | None = None,
         gate: PublishGate | None = None,
         holdout: HoldoutPolicy | None = None,
@@ -208,7 +208,7 @@ class Learner:
         self._embed = embed
         self._threshold = dedup_threshold
         self._gate: PublishGate = gate or AcceptAll()
-        self._prompts = prompts or load_prompts(learning.prompts_dir)
+        self._prompts = prompts
         self.spec: StrategySpec = strategy(strategy_name or learning.strategy)
         self.params = ScanParams(
             duplication=learning.duplication,
