@@ -155,7 +155,8 @@ class LLMConfig(_Section):
     reflector: RoleConfig = field(default_factory=RoleConfig)
     curator: RoleConfig = field(default_factory=RoleConfig)
     combiner: RoleConfig = field(default_factory=RoleConfig)
-    # The example agent (combee_stream.agent.Answerer): `eval`, the quality benchmark, the demo.
+    # The example agent (combee_stream.evaluation.Answerer): `eval`, the quality benchmark, the
+    # demo.
     agent: RoleConfig = field(default_factory=RoleConfig)
     # The LLM judge of the replay gate (gate.scorer = "judge"): is an answer right, given the
     # task and its reference answer? A separate role, so it can be a stronger model.
@@ -167,7 +168,7 @@ class LLMConfig(_Section):
     timeout_s: PositiveFloat = 60.0
     max_attempts: Positive = 4  # per call, covering transport errors and invalid replies
     # Consecutive outage failures that open the circuit breaker (no answer, or one every call
-    # gets alike: 5xx, 401/403, 404, 429 insufficient_quota; see core.llm.status_kind): calls
+    # gets alike: 5xx, 401/403, 404, 429 insufficient_quota; see llm.status.status_kind): calls
     # then wait for the endpoint (their attempts unspent) instead of failing their traces.
     breaker_threshold: Positive = 5
     memo_path: str = ""  # completion memo file; empty = in memory only
@@ -394,7 +395,7 @@ class GateConfig(_Section):
     min_samples: Positive = 20
     # Non-inferiority: accept when the lower bound of the paired difference in accuracy
     # (candidate - current) at this one-sided confidence is above -margin (the statistic is in
-    # core/replay.py; with 20 tasks, a candidate that changes none passes at 0.1, one that
+    # evaluation/replay.py; with 20 tasks, a candidate that changes none passes at 0.1, one that
     # loses one fails).
     margin: Annotated[float, Meta(ge=0, le=1)] = 0.1
     confidence: Annotated[float, Meta(gt=0.5, lt=1)] = 0.95

@@ -4,7 +4,7 @@
 CombeeError
 ├── UserError                  something the user can fix; the CLI prints it, exit code 2
 │   ├── ConfigError            a config file or COMBEE__* override is invalid
-│   ├── MissingEndpointError   an LLM role has no endpoint (core.llm)
+│   ├── MissingEndpointError   an LLM role has no endpoint (llm.endpoints)
 │   ├── BrokerError            the local broker could not be assembled or started (kafka.broker)
 │   ├── TopicMismatchError     a topic exists with settings the engine cannot run on (kafka.topics)
 │   ├── StateLostError         the prompts topic is gone under committed progress, at start
@@ -13,10 +13,10 @@ CombeeError
 │                              read (kafka.reader: subscribers, PromptClient, `subscribe`)
 ├── DecodeError                a record failed to decode or validate (also a ValueError)
 │   └── SchemaVersionError     a record names a schema version this build does not know
-├── LLMCallError               an LLM call failed for good (core.llm)
+├── LLMCallError               an LLM call failed for good (llm.transport)
 ├── WindowError                a window could not be reduced (core.learner)
 ├── UpdateTooLarge             the broker refused a version as too large (core.versions)
-├── CalculatorError            the example agent's calculator refused an expression (agent)
+├── CalculatorError            the example agent's calculator refused an expression (evaluation)
 └── EngineHalted               the engine stopped itself; the CLI prints it, exit code 1
     ├── BrokerUnavailableError the broker could not be written or read past the deadline
     ├── UndecodableStateError  a prompts-topic record cannot be decoded at restore (kafka.reader)
@@ -24,8 +24,9 @@ CombeeError
                                (kafka.topics)
 ```
 
-The subclasses live beside the code that raises them and are re-exported where the public API
-needs them; this module holds the root and the classes several subpackages share.
+The subclasses live beside the code that raises them; this module holds the root and the classes
+several subpackages share, and the package exports every class of the tree
+(``combee_stream.__all__``, checked by ``tests/test_api.py``).
 
 Errors that stay inside the package (retry signals of the LLM client, say) do not derive from it.
 """

@@ -1,14 +1,21 @@
-"""Serve an ASGI app with uvicorn inside the caller's task group (simulator, metrics)."""
+"""Serve an ASGI app with uvicorn inside the caller's task group (simulator, metrics), and the
+health app (``/metrics``, ``/healthz``, ``/readyz``) the engine and the ingest stage serve alike."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Generator
+from collections import Counter as Tally
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, MutableMapping
 from typing import Any
 
 import anyio
 import uvicorn
+from prometheus_client import CollectorRegistry, make_asgi_app
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
 class _Server(uvicorn.Server):
@@ -105,4 +112,55 @@ async def serve_asgi(
                 server.stop()
 
 
-__all__ = ["HttpServer", "bind", "serve_asgi"]
+class Health:
+    """What ``/healthz`` and ``/readyz`` report. Ready = partitions assigned and restored, and
+    no write to or read from Kafka currently failing (``failing`` counts operations in retry)."""
+
+    def __init__(self) -> None:
+        self.live = True
+        self.assigned = False
+        self.failing: Tally[str] = Tally()
+
+    @property
+    def ready(self) -> bool:
+        return self.live and self.assigned and not +self.failing
+
+
+def health_app(
+    registry: CollectorRegistry, health: Health
+) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """``/metrics`` of ``registry``, and ``/healthz`` / ``/readyz`` from ``health``: what the
+    engine and the ingest stage serve alike."""
+    metrics_app = make_asgi_app(registry)
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        path = scope.get("path", "")
+        if path == "/metrics":
+            await metrics_app(scope, receive, send)
+            return
+        if path == "/healthz":
+            ok = health.live
+        elif path == "/readyz":
+            ok = health.ready
+        else:
+            await _plain(send, 404, b"not found\n")
+            return
+        await _plain(send, 200 if ok else 503, b"ok\n" if ok else b"not ready\n")
+
+    return app
+
+
+async def _plain(send: Send, status: int, body: bytes) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(body))],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+__all__ = ["Health", "HttpServer", "Receive", "Scope", "Send", "bind", "health_app", "serve_asgi"]

@@ -18,9 +18,9 @@ from combee_stream.config import Config
 from combee_stream.core.playbook import find_bullet
 from combee_stream.core.versions import seed_update
 from combee_stream.errors import DecodeError, UserError
-from combee_stream.kafka.client import start_client
+from combee_stream.kafka.client import make_producer, start_client
 from combee_stream.kafka.history import CANDIDATE, PRODUCTION, move_label, read_history
-from combee_stream.kafka.producer import make_producer, publish_update
+from combee_stream.kafka.producer import publish_update
 from combee_stream.kafka.reader import content_digest, read_updates
 from combee_stream.kafka.subscriber import PromptSubscriber
 from combee_stream.schemas import PromptUpdate, encode

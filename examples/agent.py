@@ -14,8 +14,9 @@ from the traces and publishes new prompt versions, which the next tasks get.
 import anyio
 
 from combee_stream import TraceProducer, load_config
-from combee_stream.agent import Answerer, PromptClient, RunRecorder
-from combee_stream.core.llm import LLMClient
+from combee_stream.agent import PromptClient, RunRecorder
+from combee_stream.evaluation import Answerer
+from combee_stream.llm import LLMClient
 from combee_stream.tasks import generate_tasks, task_feedback
 
 

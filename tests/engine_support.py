@@ -19,13 +19,15 @@ import msgspec
 
 from combee_stream.config import Config
 from combee_stream.core.learner import Learner
-from combee_stream.core.llm import LLMClient
 from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.reader import read_to_end
 from combee_stream.kafka.reader import read_updates as read_topic_updates
+from combee_stream.kafka.topics import run_topics
+from combee_stream.llm import LLMClient
 from combee_stream.schemas import PromptUpdate, Trace
 from combee_stream.sim import IN_PROCESS_BASE_URL, SimSettings, sim_http_client, simulated_llm
 from combee_stream.sim.markers import retained_ids
+from combee_stream.wiring import build_learner
 
 REPO = Path(__file__).resolve().parents[1]
 # The deployment's secrets a test engine runs with (the held-out choice, the canary split).
@@ -45,13 +47,9 @@ def engine_config(
     max_wait_s: float = 0.5,
     session_timeout_ms: int | None = None,
 ) -> Config:
-    kafka = msgspec.structs.replace(
+    kafka = run_topics(
         config.kafka,
-        traces_topic=f"e.traces.{unique}",
-        prompts_topic=f"e.prompts.{unique}",
-        history_topic=f"e.history.{unique}",
-        dlq_topic=f"e.dlq.{unique}",
-        group_id=f"e.group.{unique}",
+        f"e.{unique}",
         partitions=partitions,
         session_timeout_ms=session_timeout_ms or config.kafka.session_timeout_ms,
     )
@@ -74,12 +72,12 @@ def engine_config(
 
 @asynccontextmanager
 async def sim_learner(cfg: Config, seed: int = 0) -> AsyncIterator[Learner]:
-    """``Learner.from_config(cfg)`` with every LLM role on an in-process simulator."""
+    """``build_learner(cfg)`` with every LLM role on an in-process simulator."""
     cfg = msgspec.structs.replace(cfg, llm=simulated_llm(IN_PROCESS_BASE_URL, cfg.llm))
     async with sim_http_client(SimSettings(seed=seed)) as http:
         llm = LLMClient(cfg.llm, http_client=http, env={})
         try:
-            yield Learner.from_config(cfg, llm, env=SECRETS)
+            yield build_learner(cfg, llm, env=SECRETS)
         finally:
             await llm.aclose()
 

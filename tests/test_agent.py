@@ -10,15 +10,15 @@ import anyio
 import pytest
 from engine_support import audit, engine_config, read_updates
 
-from combee_stream.agent import Answerer, PromptClient, RunRecorder
+from combee_stream import Engine
+from combee_stream.agent import PromptClient, RunRecorder
 from combee_stream.config import BrokerConfig, Config
-from combee_stream.core.llm import LLMClient
-from combee_stream.engine import Engine
-from combee_stream.evaluation import evaluate
+from combee_stream.evaluation import Answerer, evaluate
 from combee_stream.kafka.broker import start_broker, stop_broker
 from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.reader import read_to_end
 from combee_stream.kafka.topics import ensure_topics
+from combee_stream.llm import LLMClient
 from combee_stream.prompts_cli import seed_prompt
 from combee_stream.schemas import DecodeError, Feedback, PromptUpdate, Trace, decode
 from combee_stream.sim import SimSettings, sim_server

@@ -20,8 +20,8 @@ from engine_support import (
     wait_until_learned,
 )
 
+from combee_stream import Engine
 from combee_stream.config import Config
-from combee_stream.engine import Engine
 from combee_stream.kafka.topics import ensure_topics
 from combee_stream.schemas import Feedback, Trace
 from combee_stream.sim import LatencyModel, SimSettings, generate_traces, sim_server

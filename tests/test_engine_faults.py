@@ -29,8 +29,8 @@ from engine_support import (
     wait_until_learned,
 )
 
+from combee_stream import Engine
 from combee_stream.config import BrokerConfig, Config
-from combee_stream.engine import Engine
 from combee_stream.kafka.broker import start_broker, stop_broker
 from combee_stream.kafka.dlq import H_ERROR, H_OFFSET, H_PARTITION, H_STAGE
 from combee_stream.kafka.history import read_history

@@ -24,16 +24,16 @@ from engine_support import (
     sim_learner,
 )
 
+from combee_stream import Engine
 from combee_stream.config import Config, ConfigError, GateConfig, LearningConfig
 from combee_stream.core.controller import FixedBatch
 from combee_stream.core.holdout import HoldoutPolicy, rank
 from combee_stream.core.learner import Learner
-from combee_stream.core.llm import LLMClient
 from combee_stream.core.pipeline import KeyPipeline, MemorySink, PipelineSettings, closed_inbox
-from combee_stream.core.replay import AgentEvaluator, lower_bound
 from combee_stream.core.versions import KeyChain
-from combee_stream.engine import Engine
+from combee_stream.evaluation.replay import AgentEvaluator, lower_bound
 from combee_stream.kafka.history import PRODUCTION, read_history
+from combee_stream.llm import LLMClient
 from combee_stream.schemas import Feedback, HeldOutTask, PromptUpdate, Source, Trace
 from combee_stream.sim import (
     IN_PROCESS_BASE_URL,

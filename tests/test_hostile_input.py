@@ -16,15 +16,16 @@ import msgspec
 import pytest
 from engine_support import engine_config, produce, read_dlq, wait_until_learned
 
+from combee_stream import Engine
 from combee_stream.config import Config, load_config
 from combee_stream.core.versions import seed_update
-from combee_stream.engine import Engine
 from combee_stream.errors import DecodeError
 from combee_stream.formats import trace_format
 from combee_stream.formats.otlp import decode_telemetry
 from combee_stream.formats.phoenix import decode_annotations
+from combee_stream.kafka.client import make_producer
 from combee_stream.kafka.dlq import H_ERROR, H_STAGE, DeadLetter, replay_dead_letters
-from combee_stream.kafka.producer import TraceProducer, make_producer, send_update
+from combee_stream.kafka.producer import TraceProducer, send_update
 from combee_stream.kafka.reader import read_to_end
 from combee_stream.kafka.topics import ensure_topics
 from combee_stream.offline.source import read_traces

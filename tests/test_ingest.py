@@ -35,14 +35,15 @@ from otel_agent import AgentRun, encode, per_trace_slices, run_agent
 from otel_support import run_collector
 from prometheus_client.parser import text_string_to_metric_families
 
+from combee_stream import Engine
 from combee_stream.config import Config
-from combee_stream.engine import Engine
 from combee_stream.formats.genai import trace_from_spans
 from combee_stream.formats.otlp import decode_telemetry
 from combee_stream.ingest import IngestStage
 from combee_stream.ingest.assembler import NO_FEEDBACK
+from combee_stream.kafka.client import make_producer
 from combee_stream.kafka.dlq import H_ERROR, H_OFFSET, H_PARTITION, H_STAGE, H_TOPIC
-from combee_stream.kafka.producer import TraceProducer, make_producer
+from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.reader import read_to_end, reading_consumer
 from combee_stream.schemas import Feedback, FeedbackRecord, Trace, decode
 from combee_stream.sim import SimSettings, sim_server

@@ -10,9 +10,9 @@ import msgspec
 import pytest
 from engine_support import engine_config, produce, sim_learner, wait_until_learned
 
+from combee_stream import Engine
 from combee_stream.config import Config
 from combee_stream.core.learner import Learner
-from combee_stream.engine import Engine
 from combee_stream.schemas import Bullet, Feedback, Playbook, Section, Source, Trace
 from combee_stream.sim import SimSettings, generate_traces, sim_server
 from combee_stream.sim.tasks import INJECTION, injection_line

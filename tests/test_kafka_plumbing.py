@@ -19,7 +19,8 @@ from combee_stream.config import Config, KafkaConfig
 from combee_stream.errors import UserError
 from combee_stream.kafka import dlq
 from combee_stream.kafka import ingest as ing
-from combee_stream.kafka.producer import TraceProducer, make_producer, publish_update
+from combee_stream.kafka.client import make_producer
+from combee_stream.kafka.producer import TraceProducer, publish_update
 from combee_stream.kafka.reader import read_to_end
 from combee_stream.kafka.subscriber import PromptSubscriber
 from combee_stream.kafka.topics import TopicMismatchError, ensure_topics

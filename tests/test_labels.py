@@ -11,8 +11,8 @@ import pytest
 from engine_support import engine_config, produce, wait_until_learned
 from test_hardening import lesson_trace
 
+from combee_stream import Engine
 from combee_stream.config import Config
-from combee_stream.engine import Engine
 from combee_stream.kafka.history import PRODUCTION, move_label, read_history
 from combee_stream.kafka.subscriber import PromptSubscriber
 from combee_stream.sim import SimSettings, sim_server

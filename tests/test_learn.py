@@ -17,14 +17,13 @@ import anyio
 import msgspec
 import pytest
 
-from combee_stream import cli
+from combee_stream import cli, run_learn
 from combee_stream.config import Config, load_config
 from combee_stream.core.gate import Candidate, Verdict
 from combee_stream.core.learner import Learner
 from combee_stream.core.playbook import new_playbook
-from combee_stream.core.prompts import load_prompts
 from combee_stream.errors import UserError
-from combee_stream.offline import LearnReport, run_learn
+from combee_stream.offline import LearnReport
 from combee_stream.schemas import (
     BudgetRejection,
     GateRejection,
@@ -45,6 +44,7 @@ from combee_stream.sim import (
 )
 from combee_stream.sim.markers import find_lessons, retained_ids
 from combee_stream.sim.score import load_playbooks
+from combee_stream.wiring import build_learner, load_prompts
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -456,10 +456,10 @@ def test_learner_uses_override_prompts_against_the_simulator(tmp_path: Path) -> 
     async def run() -> tuple[int, list[Source]]:
         async with sim_server(SimSettings(seed=8)) as server:
             config, env = sim_config(server.base_url, COMBEE__LEARNING__PROMPTS_DIR=str(tmp_path))
-            from combee_stream.core.llm import LLMClient
+            from combee_stream.llm import LLMClient
 
             async with LLMClient(config.llm, env=env) as client:
-                learner = Learner(client, config.learning)
+                learner = build_learner(config, client, env=env)
                 result = await learner.learn_window(
                     new_playbook("sim-k0"), [(t, Source(t.trace_id)) for t in traces]
                 )
@@ -477,10 +477,10 @@ def test_proposals_from_one_snapshot_commit_in_turn_with_rebase() -> None:
     async def run() -> None:
         async with sim_server(SimSettings(seed=9)) as server:
             config, env = sim_config(server.base_url)
-            from combee_stream.core.llm import LLMClient
+            from combee_stream.llm import LLMClient
 
             async with LLMClient(config.llm, env=env) as client:
-                learner = Learner(client, config.learning)
+                learner = Learner(client, config.learning, prompts=load_prompts())
                 v0 = new_playbook("sim-k0")
                 pairs = [(t, Source(t.trace_id)) for t in traces]
                 first = await learner.propose(v0, pairs[:12])

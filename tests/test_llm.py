@@ -18,13 +18,18 @@ import pytest
 from structlog.testing import capture_logs
 
 from combee_stream.config import EmbeddingsConfig, LLMConfig, RoleConfig
-from combee_stream.core.llm import (
+from combee_stream.core.outputs import CuratorOutput, ReflectorOutput
+from combee_stream.errors import UserError
+from combee_stream.llm import (
     ChatMessage,
     Completion,
     LLMCallError,
     LLMClient,
     MissingEndpointError,
     Role,
+)
+from combee_stream.llm.memo import CompletionMemo, MemoEntry
+from combee_stream.llm.structured import (
     bound_schema,
     decode_reply,
     extract_json,
@@ -32,9 +37,6 @@ from combee_stream.core.llm import (
     output_schema,
     schema_token_bound,
 )
-from combee_stream.core.memo import CompletionMemo, MemoEntry
-from combee_stream.core.outputs import CuratorOutput, ReflectorOutput
-from combee_stream.errors import UserError
 from combee_stream.retry import RetryPolicy
 from combee_stream.schemas import AddOp
 from combee_stream.sim.server import SimServer, sim_server
@@ -580,7 +582,7 @@ def _walk(node: Any) -> list[dict[str, Any]]:
     ],
 )
 def test_which_http_errors_are_an_outage(status: int, code: str | None, kind: str) -> None:
-    from combee_stream.core.llm import status_kind
+    from combee_stream.llm.status import status_kind
 
     assert status_kind(status, code) == kind
 
@@ -609,6 +611,32 @@ async def test_a_removed_model_waits_in_the_breaker_and_resumes_when_it_is_back(
                 assert llm.outage and not done
                 srv.app.settings = SimSettings()  # the model is served again
     assert len(done) == 1 and not llm.outage
+
+
+async def test_an_embeddings_call_waits_out_an_outage_like_a_chat_call() -> None:
+    """One retry loop for every call kind: an embeddings batch whose model is gone waits in
+    its breaker with its attempts unspent (two attempts would fail it at once otherwise) and
+    completes once the model is served again."""
+    settings = SimSettings(models=("sim-llm",))  # the embedding model removed
+    async with sim_server(settings) as srv:
+        cfg = llm_config(srv.base_url, max_attempts=2, breaker_threshold=1)
+        async with LLMClient(cfg, env={}, retry=FAST) as llm:
+            async with anyio.create_task_group() as tg:
+                done: list[list[list[float]]] = []
+
+                async def call() -> None:
+                    done.append(await llm.embed(["check the units", "cite the ledger"]))
+
+                tg.start_soon(call)
+                with anyio.fail_after(30):
+                    while not llm.outage:  # noqa: ASYNC110 - a flag the client sets
+                        await anyio.sleep(0.01)
+                await anyio.sleep(2.5)  # probes at 1 s backoff: several fail meanwhile
+                assert llm.outage and not done
+                srv.app.settings = SimSettings()  # the model is served again
+    assert len(done) == 1 and len(done[0]) == 2 and not llm.outage
+    usage = llm.usage()["embeddings"]
+    assert usage.calls == 1 and usage.failed_calls == 0
 
 
 async def test_a_huge_call_timing_out_while_others_succeed_does_not_open_the_breaker() -> None:
@@ -650,7 +678,9 @@ async def test_a_huge_call_timing_out_while_others_succeed_does_not_open_the_bre
                 stop.set()
     assert len(huge_failed) == 6 and all("timeout" in e.reason for e in huge_failed)
     assert small_done > 0
-    assert all(b.opened_at == 0.0 for b in llm._breakers.values()), "the breaker never opened"
+    assert all(b.opened_at == 0.0 for b in llm._transport.breakers.values()), (
+        "the breaker never opened"
+    )
 
 
 async def test_the_start_check_refuses_a_base_url_at_the_wrong_path(clean_sim: SimServer) -> None:

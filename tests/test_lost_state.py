@@ -32,10 +32,10 @@ from engine_support import (
     wait_until_learned,
 )
 
+from combee_stream import Engine
 from combee_stream.agent import PromptClient
 from combee_stream.config import Config
 from combee_stream.core.versions import seed_update
-from combee_stream.engine import Engine
 from combee_stream.kafka.producer import make_producer, publish_update
 from combee_stream.kafka.reader import read_to_end
 from combee_stream.kafka.topics import TopicLostError, ensure_topics

@@ -7,7 +7,7 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from combee_stream.engine.offsets import PartitionOffsets
+from combee_stream.kafka.offsets import PartitionOffsets
 
 
 def test_commit_stops_at_the_oldest_unfinished_offset() -> None:

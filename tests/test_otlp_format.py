@@ -37,14 +37,8 @@ from otel_agent import (
 
 from combee_stream.config import IngestConfig
 from combee_stream.errors import DecodeError
-from combee_stream.formats.genai import (
-    NOT_CAPTURED_TASK,
-    evaluation_errors,
-    evaluations,
-    prompt_key,
-    root_span,
-    trace_from_spans,
-)
+from combee_stream.formats.feedback import evaluation_errors, evaluations
+from combee_stream.formats.genai import NOT_CAPTURED_TASK, prompt_key, root_span, trace_from_spans
 from combee_stream.formats.otlp import Encoding, decode_telemetry
 from combee_stream.formats.spans import LogEvent, Span, SpanEvent
 from combee_stream.otel import PromptSpanProcessor

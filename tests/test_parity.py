@@ -11,10 +11,9 @@ import msgspec
 import pytest
 from engine_support import audit, engine_config, produce, wait_until_learned
 
+from combee_stream import Engine, run_learn
 from combee_stream.config import Config
-from combee_stream.engine import Engine
 from combee_stream.kafka.topics import ensure_topics
-from combee_stream.offline import run_learn
 from combee_stream.schemas import PromptUpdate, decode, encode
 from combee_stream.sim import SimSettings, generate_traces, sim_server
 

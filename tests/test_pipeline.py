@@ -14,8 +14,7 @@ import pytest
 from combee_stream.config import Config, LearningConfig
 from combee_stream.core.controller import Decision, FixedBatch
 from combee_stream.core.gate import Candidate, Verdict
-from combee_stream.core.learner import FailedTrace, Learner, Proposal, WindowError, WindowStats
-from combee_stream.core.llm import LLMClient
+from combee_stream.core.learner import Learner, WindowError
 from combee_stream.core.pipeline import (
     KeyPipeline,
     MemorySink,
@@ -25,7 +24,9 @@ from combee_stream.core.pipeline import (
     closed_inbox,
 )
 from combee_stream.core.prompts import ReflectionRecord
+from combee_stream.core.results import FailedTrace, Proposal, WindowStats
 from combee_stream.core.versions import KeyChain
+from combee_stream.llm import LLMClient
 from combee_stream.schemas import GateRejection, Playbook, PromptUpdate, Source, Trace
 from combee_stream.sim import (
     IN_PROCESS_BASE_URL,
@@ -35,6 +36,7 @@ from combee_stream.sim import (
     simulated_llm,
 )
 from combee_stream.sim.markers import retained_ids
+from combee_stream.wiring import build_learner
 
 KEY = "sim-k0"
 
@@ -99,7 +101,7 @@ async def test_windows_close_at_the_policy_size_and_publish_in_order(
     async with client() as llm:
         sink, policy = MemorySink(), RecordingPolicy(4)
         chain = KeyChain(KEY, partition=0)
-        learner = Learner.from_config(config(), llm)
+        learner = build_learner(config(), llm)
         pipeline = KeyPipeline(chain, learner, policy, sink, closed_inbox(items(10)), settings)
         await pipeline.run()
     check_chain(sink.updates, 10)
@@ -117,7 +119,7 @@ async def test_window_closes_at_max_wait_with_what_it_has() -> None:
         sink = MemorySink()
         send, recv = anyio.create_memory_object_stream[Pending](10)
         settings = PipelineSettings(max_wait_s=0.3, attempts=1)
-        learner = Learner.from_config(config(), llm)
+        learner = build_learner(config(), llm)
         pipeline = KeyPipeline(KeyChain(KEY), learner, FixedBatch(50), sink, recv, settings)
         async with anyio.create_task_group() as tg:
             tg.start_soon(pipeline.run)
@@ -196,7 +198,7 @@ class RefusingSink(MemorySink):
 async def test_a_refused_version_is_not_the_chains_and_nothing_after_it_is_published() -> None:
     async with client() as llm:
         sink, chain = RefusingSink(accept=1), KeyChain(KEY)
-        learner = Learner.from_config(config(), llm)
+        learner = build_learner(config(), llm)
         pipeline = KeyPipeline(chain, learner, FixedBatch(2), sink, closed_inbox(items(8)), SYNC)
         await pipeline.run()
     assert [u.version for u in sink.updates] == [1]
@@ -304,7 +306,7 @@ class RejectEveryOther:
 async def test_a_gate_rejection_learns_the_traces_but_keeps_the_parents_bullets() -> None:
     async with client() as llm:
         sink, gate = MemorySink(), RejectEveryOther()
-        learner = Learner.from_config(config(), llm, gate=gate)
+        learner = build_learner(config(), llm, gate=gate)
         pipeline = KeyPipeline(
             KeyChain(KEY), learner, FixedBatch(3), sink, closed_inbox(items(9)), SYNC
         )
@@ -335,7 +337,7 @@ async def test_the_learner_defends_against_a_realistic_simulator() -> None:
         sink = MemorySink()
         pipeline = KeyPipeline(
             KeyChain(KEY),
-            Learner.from_config(config(), llm),
+            build_learner(config(), llm),
             FixedBatch(6),
             sink,
             closed_inbox(batch),
@@ -376,7 +378,7 @@ async def test_only_the_bullets_a_trace_cites_get_its_tags() -> None:
     trace = msgspec.structs.replace(trace, bullet_ids=cited)
     async with sim_http_client(SimSettings(seed=2, realism=RealismModel(uncited_tags=1.0))) as http:
         llm = LLMClient(config().llm, http_client=http, env={})
-        learner = Learner.from_config(config(), llm)
+        learner = build_learner(config(), llm)
         stats = learner.new_stats()
         record = await learner.reflect(book, trace, source, stats)
         await llm.aclose()

@@ -38,9 +38,10 @@ import msgspec
 import pytest
 
 from combee_stream.config import LearningConfig, LLMConfig
-from combee_stream.core.learner import Learner, WindowResult
-from combee_stream.core.llm import ChatMessage, Completion, LLMClient, RoleUsage
+from combee_stream.core.learner import Learner
 from combee_stream.core.playbook import new_playbook, render
+from combee_stream.core.results import WindowResult
+from combee_stream.llm import ChatMessage, Completion, LLMClient, RoleUsage
 from combee_stream.localllm.build import is_built
 from combee_stream.localllm.server import LocalServer, local_llm_config
 from combee_stream.schemas import (
@@ -52,6 +53,7 @@ from combee_stream.schemas import (
     decode,
     encode,
 )
+from combee_stream.wiring import load_prompts
 
 T = TypeVar("T")
 
@@ -185,7 +187,9 @@ def test_learner_window_on_real_model_yields_valid_playbook(llama_url: str) -> N
 
     async def run() -> tuple[WindowResult, dict[str, RoleUsage]]:
         async with LLMClient(llm_config(llama_url), env={}) as client:
-            learner = Learner(client, LearningConfig(), strategy_name="naive")
+            learner = Learner(
+                client, LearningConfig(), prompts=load_prompts(), strategy_name="naive"
+            )
             result = await learner.learn_window(
                 new_playbook(KEY), list(zip(window, sources, strict=True))
             )

@@ -14,13 +14,13 @@ import msgspec
 import pytest
 from engine_support import CANARY_SECRET, SECRETS, engine_config, produce, read_updates
 
-from combee_stream.agent.answerer import Answerer
+from combee_stream import Engine
 from combee_stream.config import Config, GateConfig
-from combee_stream.core.llm import LLMClient
-from combee_stream.engine import Engine
 from combee_stream.engine.release import Tally, bounds
+from combee_stream.evaluation.answerer import Answerer
 from combee_stream.kafka.history import PRODUCTION, in_canary, read_history
 from combee_stream.kafka.subscriber import PromptSubscriber
+from combee_stream.llm import LLMClient
 from combee_stream.schemas import Feedback, LabelMove, Trace
 from combee_stream.sim import SimSettings, sim_server
 from combee_stream.sim.tasks import sim_tasks, task_traces

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from combee_stream.agent.calculator import CalculatorError, evaluate
 from combee_stream.errors import UserError
+from combee_stream.evaluation.calculator import CalculatorError, evaluate
 from combee_stream.evaluation.stats import mcnemar_exact, paired, wilson
 from combee_stream.tasks import generate_tasks, is_correct, load_tasks, parse_number
 from combee_stream.tasks.base import Task, finer_items, formula, miss_kind, numeric, task_feedback

@@ -1,7 +1,7 @@
-"""The agent side of the loop: get the current prompt, run, send the trace.
+"""The agent SDK: get the current prompt, record the run, send the trace.
 
 ```python
-from combee_stream.agent import PromptClient, RunRecorder
+from combee_stream.agent import PromptClient, RunRecorder, TraceProducer
 async with PromptClient(config.kafka, "support-bot", snapshot="prompt.json") as prompts, \\
         TraceProducer(config.kafka) as traces:
     prompt = prompts.current()                       # text, version, bullet ids, source
@@ -10,12 +10,14 @@ async with PromptClient(config.kafka, "support-bot", snapshot="prompt.json") as 
     await run.send(traces, output=answer, feedback=Feedback(passed=ok))
 ```
 
-:class:`Answerer` is the example agent (reason, cite bullets, calculator) that ``eval``, the
-quality benchmark and the demo run; ``examples/agent.py`` shows it in ten lines.
+It needs Kafka and nothing of the learning side: importing it loads neither the LLM layer nor
+the learning core (``tests/test_api.py`` checks it). The example agent that ``eval``, the
+quality benchmark and the demo run is :class:`combee_stream.evaluation.Answerer`;
+``examples/agent.py`` shows both in ten lines.
 """
 
-from combee_stream.agent.answerer import Answer, Answerer
 from combee_stream.agent.prompts import Prompt, PromptClient
-from combee_stream.agent.recorder import RunRecorder
+from combee_stream.agent.recorder import Answered, RunRecorder
+from combee_stream.kafka.producer import TraceProducer
 
-__all__ = ["Answer", "Answerer", "Prompt", "PromptClient", "RunRecorder"]
+__all__ = ["Answered", "Prompt", "PromptClient", "RunRecorder", "TraceProducer"]

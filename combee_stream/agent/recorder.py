@@ -4,11 +4,28 @@ it was served to, its steps, the bullets it cited, its answer and the feedback."
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
+from typing import Protocol
 
-from combee_stream.agent.answerer import Answer
 from combee_stream.agent.prompts import Prompt
 from combee_stream.kafka.producer import TraceProducer
 from combee_stream.schemas import Feedback, Step, Trace, utcnow
+
+
+class Answered(Protocol):
+    """What :meth:`RunRecorder.record` reads from an agent's answer: the shape of the example
+    agent's (:class:`combee_stream.evaluation.Answer`), or any other with these fields."""
+
+    @property
+    def reasoning(self) -> str: ...
+    @property
+    def expression(self) -> str: ...  # a calculator call ("" for none)
+    @property
+    def calculator(self) -> str: ...  # its result
+    @property
+    def output(self) -> str: ...
+    @property
+    def bullet_ids(self) -> Sequence[str]: ...
 
 
 class RunRecorder:
@@ -51,8 +68,9 @@ class RunRecorder:
             if bullet_id in known and bullet_id not in self.cited:
                 self.cited.append(bullet_id)
 
-    def record(self, answer: Answer) -> None:
-        """The steps of the example agent's answer (reasoning, calculator, answer)."""
+    def record(self, answer: Answered) -> None:
+        """The steps of an answer shaped like the example agent's (reasoning, calculator,
+        answer) and the bullets it cited."""
         if answer.reasoning:
             self.thought(answer.reasoning)
         if answer.expression:
@@ -84,4 +102,4 @@ class RunRecorder:
         return trace
 
 
-__all__ = ["RunRecorder"]
+__all__ = ["Answered", "RunRecorder"]

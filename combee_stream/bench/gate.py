@@ -34,18 +34,18 @@ import anyio
 import msgspec
 from msgspec import Struct, field
 
-from combee_stream.agent.answerer import Answerer
 from combee_stream.bench.report import SIMULATED, Target, document, percentile, table
 from combee_stream.config import Config, GateConfig, LearningConfig
 from combee_stream.core.controller import batch_policy
-from combee_stream.core.learner import Learner
-from combee_stream.core.llm import LLMClient
 from combee_stream.core.pipeline import KeyPipeline, MemorySink, Pending, PipelineSettings, Window
 from combee_stream.core.versions import KeyChain
+from combee_stream.evaluation.answerer import Answerer
 from combee_stream.evaluation.run import evaluate
+from combee_stream.llm import LLMClient
 from combee_stream.schemas import PromptUpdate, Source, Trace
 from combee_stream.sim import LatencyModel, SimSettings, sim_server, simulated_llm
 from combee_stream.sim.tasks import sim_tasks, task_traces
+from combee_stream.wiring import build_learner
 
 KEY: Final = "sim-k0"
 # The key of the held-out choice: fixed, so that every run of the benchmark holds out the same
@@ -206,7 +206,7 @@ async def _run(
     sink = TimedSink()
     published_at = sink.published_at
     try:
-        learner = Learner.from_config(cfg, llm, env={gate.holdout_secret_env: BENCH_HOLDOUT_SECRET})
+        learner = build_learner(cfg, llm, env={gate.holdout_secret_env: BENCH_HOLDOUT_SECRET})
         send, recv = anyio.create_memory_object_stream[Pending](len(traces))
         pipeline = KeyPipeline(
             KeyChain(KEY), learner, batch_policy(cfg.learning, key=KEY, batch_size=s.batch_size),

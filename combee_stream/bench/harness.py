@@ -20,15 +20,16 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
 from combee_stream.config import Config, KafkaConfig
-from combee_stream.core.llm import LLMClient
-from combee_stream.engine import Engine
 from combee_stream.errors import UserError
 from combee_stream.kafka.broker import start_broker
 from combee_stream.kafka.client import client_kwargs
 from combee_stream.kafka.reader import read_updates as read_topic_updates
+from combee_stream.kafka.topics import run_topics
+from combee_stream.llm import LLMClient
 from combee_stream.logs import get_logger
 from combee_stream.schemas import PromptUpdate, Trace, encode
 from combee_stream.sim import SimSettings, simulated_llm
+from combee_stream.wiring import Engine
 
 log = get_logger(__name__)
 
@@ -45,16 +46,7 @@ async def with_broker(config: Config) -> Config:
 
 def fresh_topics(config: Config, suite: str, partitions: int = 3) -> Config:
     """Topics and a consumer group of their own, so runs never see each other's data."""
-    run = f"bench.{suite}.{uuid.uuid4().hex[:8]}"
-    kafka = msgspec.structs.replace(
-        config.kafka,
-        traces_topic=f"{run}.traces",
-        prompts_topic=f"{run}.prompts",
-        history_topic=f"{run}.history",
-        dlq_topic=f"{run}.dlq",
-        group_id=f"{run}.group",
-        partitions=partitions,
-    )
+    kafka = run_topics(config.kafka, f"bench.{suite}.{uuid.uuid4().hex[:8]}", partitions=partitions)
     return msgspec.structs.replace(config, kafka=kafka)
 
 

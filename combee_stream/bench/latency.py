@@ -33,10 +33,10 @@ from combee_stream.bench.harness import (
 from combee_stream.bench.report import Target, describe_latency, document, percentile, table
 from combee_stream.bench.scaling import DEFAULT_LATENCY
 from combee_stream.config import Config
-from combee_stream.engine import Engine
 from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.topics import ensure_topics
 from combee_stream.sim import LatencyModel, SimSettings, generate_traces
+from combee_stream.wiring import Engine
 
 DEFAULT_TIME_SCALE = 10.0
 RATE_CAP = 30.0  # real LLM calls per second

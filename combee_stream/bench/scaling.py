@@ -24,12 +24,11 @@ from msgspec import Struct
 from combee_stream.bench.report import Target, describe_latency, document, table
 from combee_stream.config import Config, LearningConfig
 from combee_stream.core.controller import batch_policy
-from combee_stream.core.learner import Learner
-from combee_stream.core.llm import LLMClient
 from combee_stream.core.pipeline import KeyPipeline, MemorySink, closed_inbox
 from combee_stream.core.playbook import playbook_tokens
 from combee_stream.core.scan import ScanParams, plan
 from combee_stream.core.versions import KeyChain
+from combee_stream.llm import LLMClient
 from combee_stream.offline.run import offline_settings
 from combee_stream.schemas import Playbook, Source, Trace
 from combee_stream.sim import (
@@ -42,6 +41,7 @@ from combee_stream.sim import (
     sim_http_client,
     simulated_llm,
 )
+from combee_stream.wiring import build_learner
 
 # A hosted chat model: 0.5 s to first token, 10k prompt tokens/s, 50 output tokens/s, ±10%.
 DEFAULT_LATENCY = LatencyModel(
@@ -173,7 +173,7 @@ async def _learn(
         try:
             pipeline = KeyPipeline(
                 KeyChain(KEY),
-                Learner.from_config(config, llm),
+                build_learner(config, llm),
                 batch_policy(config.learning, key=KEY),
                 sink,
                 closed_inbox(items),

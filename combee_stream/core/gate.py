@@ -7,8 +7,8 @@ parent's bullets and the traces' provenance (so they are never learned again), a
 in ``UpdateStats.rejection`` as a :class:`~combee_stream.schemas.GateRejection`.
 
 A gate is any object with an async ``review``; the default, :class:`AcceptAll`, keeps the
-behaviour of a pipeline without one; :class:`combee_stream.core.replay.ReplayGate` tests the
-candidate on held-out tasks. :func:`gate_from_config` builds the configured one.
+behaviour of a pipeline without one; :class:`combee_stream.evaluation.replay.ReplayGate` tests the
+candidate on held-out tasks. :func:`combee_stream.wiring.build_gate` builds the configured one.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ from typing import Protocol
 
 from msgspec import Struct
 
-from combee_stream.config import Config
-from combee_stream.core.llm import LLMClient
 from combee_stream.schemas import Delta, GateReport, Holdout, Playbook, Reflection
 
 
@@ -60,13 +58,4 @@ class AcceptAll:
         return Verdict(accepted=True)
 
 
-def gate_from_config(config: Config, llm: LLMClient) -> PublishGate:
-    """The gate ``config.gate`` asks for (AcceptAll when the replay gate is off)."""
-    if not config.gate.replay:
-        return AcceptAll()
-    from combee_stream.core.replay import ReplayGate  # (it imports this module)
-
-    return ReplayGate.from_config(config.gate, llm)
-
-
-__all__ = ["AcceptAll", "Candidate", "PublishGate", "Verdict", "gate_from_config"]
+__all__ = ["AcceptAll", "Candidate", "PublishGate", "Verdict"]

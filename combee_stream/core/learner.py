@@ -12,7 +12,7 @@ One window:
    with them applied (as the reference ACE-batch code does), the final delta carries them.
 3. **Shuffle + tree** (:mod:`combee_stream.core.scan`) on the frozen snapshot.
 4. **Apply** the merged delta (tags, operations, provenance) with the token budget and the
-   optional semantic dedup.
+   optional semantic dedup: the commit ladder (:mod:`combee_stream.core.commit`).
 
 ``learn_window`` = ``propose`` (steps 1-3, all the LLM work, on a frozen snapshot) + ``commit``
 (step 4). A streaming caller can propose window w+1 while window w is still in flight and commit
@@ -33,9 +33,10 @@ Decisions (Combee notes §8):
   empty one if even that does not fit), so every window yields exactly one new version and the
   traces are not learned twice.
 - **Size.** A version must fit the prompts and history topics (``kafka.max_message_bytes``):
-  the driver's ``measure`` gives the exact bytes of the version a result makes (its encoded
-  ``PromptUpdate``, held-out tasks and JSON escaping included, as a record batch:
-  :func:`~combee_stream.core.versions.update_bytes`). A candidate over it falls back like a
+  ``update_size`` (given with ``max_update_bytes``: the wiring's is
+  :func:`~combee_stream.kafka.sizes.update_bytes`, a record batch) and the driver's chain give
+  the exact bytes of the version a result makes (its encoded ``PromptUpdate``, held-out tasks
+  and JSON escaping included). A candidate over it falls back like a
   budget rejection, with a ``SizeRejection``, before the gate reviews it; whatever the fallbacks
   and the gate made is measured again, and if it is over, the window becomes its smallest
   version (:meth:`Learner.size_rejected`). So no window can block its key on a record the
@@ -48,8 +49,9 @@ Decisions (Combee notes §8):
   ``stats.held_out``) and carries them in the key's held-out tasks; a window of held-out traces
   only still yields a version (unchanged playbook), so their offsets are committed like any.
 
-:meth:`Learner.from_config` is the one constructor of a configured learner (strategy, scan
-parameters, prompts, embeddings, gate), used by every driver.
+:func:`combee_stream.wiring.build_learner` is the one constructor of a configured learner
+(strategy, scan parameters, prompts, embeddings, gate, size bound); a driver is handed it as a
+:data:`LearnerFactory`.
 """
 
 from __future__ import annotations
@@ -62,11 +64,11 @@ from typing import Protocol, TypeVar
 
 import anyio
 import msgspec
-from msgspec import Struct
 
-from combee_stream.config import Config, LearningConfig, required_secret
-from combee_stream.core.delta import empty, merge, rebase
-from combee_stream.core.gate import AcceptAll, Candidate, PublishGate, Verdict, gate_from_config
+from combee_stream.config import Config, LearningConfig
+from combee_stream.core.commit import Commit, size_rejected, without
+from combee_stream.core.delta import empty, merge
+from combee_stream.core.gate import AcceptAll, PublishGate
 from combee_stream.core.holdout import HoldoutPolicy
 from combee_stream.core.hygiene import (
     DEFAULT_POLICY,
@@ -76,7 +78,6 @@ from combee_stream.core.hygiene import (
     review_edits,
     violates,
 )
-from combee_stream.core.llm import ChatMessage, Completion, LLMCallError, LLMClient, Role
 from combee_stream.core.outputs import (
     ConsolidatorOutput,
     CuratorOutput,
@@ -91,7 +92,6 @@ from combee_stream.core.playbook import (
     SkipReason,
     apply,
     apply_semantic,
-    copy_playbook,
     normalize,
     playbook_tokens,
 )
@@ -101,8 +101,14 @@ from combee_stream.core.prompts import (
     combiner_messages,
     consolidator_messages,
     curator_messages,
-    load_prompts,
     reflector_messages,
+)
+from combee_stream.core.results import (
+    FailedTrace,
+    Proposal,
+    UpdateSize,
+    WindowResult,
+    WindowStats,
 )
 from combee_stream.core.scan import (
     ScanParams,
@@ -113,23 +119,19 @@ from combee_stream.core.scan import (
     strategy,
 )
 from combee_stream.errors import CombeeError
+from combee_stream.llm import ChatMessage, Completion, LLMCallError, LLMClient, Role
 from combee_stream.logs import get_logger
 from combee_stream.schemas import (
     AddOp,
-    BudgetRejection,
     BulletTag,
     Consolidation,
     Delta,
-    GateRejection,
-    GateReport,
     HeldOutTask,
     Holdout,
     Playbook,
     Reflection,
-    Rejection,
     RemoveOp,
     Section,
-    SizeRejection,
     Source,
     Trace,
 )
@@ -139,7 +141,7 @@ log = get_logger(__name__)
 
 
 class LLM(Protocol):
-    """What the learner needs from :class:`combee_stream.core.llm.LLMClient`."""
+    """What the learner needs from :class:`combee_stream.llm.LLMClient`."""
 
     async def complete(
         self, role: Role, messages: list[ChatMessage], output_type: type[T]
@@ -154,78 +156,6 @@ class WindowError(CombeeError):
         super().__init__(f"window of key {key!r} failed: {reason}")
         self.key = key
         self.reason = reason
-
-
-class FailedTrace(Struct, frozen=True):
-    source: Source
-    reason: str
-
-
-class WindowStats(Struct):
-    """What one window cost. ``llm_calls`` counts complete() calls (memo hits included, see
-    ``cached_calls``; failed calls included); tokens are what was paid (0 for memo hits)."""
-
-    strategy: str
-    traces: int = 0
-    reflected: int = 0
-    failed: int = 0
-    groups: int = 0
-    duplication: int = 1
-    llm_calls: int = 0
-    cached_calls: int = 0
-    reflector_calls: int = 0
-    curator_calls: int = 0
-    combiner_calls: int = 0
-    tokens_in: int = 0
-    tokens_out: int = 0
-    max_curator_items: int = 0
-    max_combiner_items: int = 0
-    rounds: int = 0  # sequential LLM rounds: map + level 1 + LLM combine levels
-    uncited_tags: int = 0  # reflector tags of bullets the trace did not cite (dropped)
-    stale_by: int = 0  # versions between the snapshot and the playbook it was committed to
-    delay_s: float = 0.0
-    consolidator_calls: int = 0  # consolidation passes (one per section), on the curator's endpoint
-    consolidation: Consolidation | None = None
-
-
-class Proposal(Struct):
-    """A window's merged delta (tags, operations, provenance) computed on one snapshot."""
-
-    key: str
-    snapshot_version: int
-    delta: Delta
-    failed: list[FailedTrace]
-    reflections: list[Reflection]
-    stats: WindowStats
-    tasks: list[str] = []  # the window's task texts (the bullet review checks restatements)
-    quoted: list[str] = []  # spans the window's traces quoted (no bullet may reproduce them)
-    # Normalised ADD content -> the tasks of the curator groups that proposed it (its sources).
-    add_tasks: dict[str, list[str]] = {}
-    skipped: list[SkippedOp] = []  # operations the reduce refused (REMOVEs of a minority)
-
-
-class WindowResult(Struct):
-    playbook: Playbook  # the new version (the input itself when nothing was learned)
-    delta: Delta  # what was applied (after a fallback: the tags-only / provenance-only delta)
-    proposed: Delta  # the merged delta of the window, before any fallback
-    applied: ApplyResult
-    failed: list[FailedTrace]
-    reflections: list[Reflection]
-    stats: WindowStats
-    rejection: Rejection | None = None  # why ``proposed`` was not applied (budget, gate)
-    held_out: list[Source] = []  # the window's traces kept out of learning (the replay gate)
-    holdout: Holdout | None = None  # the key's held-out tasks as of this version
-    report: GateReport | None = None  # what the replay gate measured
-
-    @property
-    def learned(self) -> list[Source]:
-        """Traces this version learned from (empty when every reflection failed)."""
-        return self.delta.sources if self.applied.applied else []
-
-    @property
-    def consumed(self) -> list[Source]:
-        """Traces this version is done with: learned, or held out."""
-        return [*self.learned, *self.held_out]
 
 
 def _window_rng(seed: int, key: str, version: int, sources: Sequence[Source]) -> random.Random:
@@ -249,70 +179,42 @@ def required_roles(config: Config, strategy_name: str | None = None) -> list[Rol
 
 
 class Learner:
-    """Learns one window at a time; holds no playbook state (the caller owns the versions)."""
+    """Learns one window at a time; holds no playbook state (the caller owns the versions).
+    Everything it works with is given: the LLM, the prompts, the gate, the size bound."""
 
     def __init__(
         self,
         llm: LLM,
         learning: LearningConfig,
         *,
+        prompts: Prompts,
         embed: EmbedFn | None = None,
         dedup_threshold: float = 0.9,
-        prompts: Prompts | None = None,
         strategy_name: str | None = None,
         gate: PublishGate | None = None,
         holdout: HoldoutPolicy | None = None,
         max_update_bytes: int | None = None,
+        update_size: UpdateSize | None = None,
     ) -> None:
+        if (max_update_bytes is None) != (update_size is None):
+            raise ValueError("max_update_bytes and update_size bound a version together")
         self._llm = llm
         self.holdout = holdout
         self.max_update_bytes = max_update_bytes  # what a version may take (None: unbounded)
+        self.update_size = update_size  # how many bytes a version takes (what bounds it)
         self._config = learning
         defaults = DEFAULT_POLICY if learning.default_content_policy else ()
         self._policy = compile_policy([*defaults, *learning.content_policy])
         self._embed = embed
         self._threshold = dedup_threshold
         self._gate: PublishGate = gate or AcceptAll()
-        self._prompts = prompts or load_prompts(learning.prompts_dir)
+        self._prompts = prompts
         self.spec: StrategySpec = strategy(strategy_name or learning.strategy)
         self.params = ScanParams(
             duplication=learning.duplication,
             fan_in=learning.fan_in,
             combine=learning.combine,
             single_group=self.spec.single_group,
-        )
-
-    @classmethod
-    def from_config(
-        cls,
-        config: Config,
-        llm: LLMClient,
-        *,
-        strategy_name: str | None = None,
-        gate: PublishGate | None = None,
-        env: Mapping[str, str] | None = None,
-    ) -> Learner:
-        """A learner with every option of ``config`` wired: strategy, scan parameters, prompt
-        overrides, semantic dedup through ``llm``'s embeddings endpoint when
-        ``llm.embeddings.enabled``, and the gate (``gate``, else the one ``config.gate`` asks for,
-        with its held-out policy, keyed by the secret ``gate.holdout_secret_env`` names in
-        ``env``, default the process environment). Fails fast (``MissingEndpointError``) when a
-        role it will call has no endpoint, ``ConfigError`` when the replay gate has no secret."""
-        llm.require(*required_roles(config, strategy_name))  # type: ignore[arg-type]
-        holdout = None
-        if config.gate.replay:
-            key = required_secret(config.gate.holdout_secret_env, "gate.replay", env)
-            holdout = HoldoutPolicy(config.gate, key)
-        embeddings = config.llm.embeddings
-        return cls(
-            llm,
-            config.learning,
-            embed=llm.embed if embeddings.enabled else None,
-            dedup_threshold=embeddings.threshold,
-            strategy_name=strategy_name,
-            gate=gate or gate_from_config(config, llm),
-            holdout=holdout,
-            max_update_bytes=config.kafka.max_message_bytes,
         )
 
     async def learn_window(
@@ -515,196 +417,24 @@ class Learner:
         measure: Callable[[WindowResult], int] | None = None,
     ) -> WindowResult:
         """Apply a proposal to ``onto`` — its own snapshot, or a newer version of the same key,
-        in which case the delta is first rebased (:func:`~combee_stream.core.delta.rebase`).
-        Budget rejection falls back to tags + provenance, then provenance only. ``holdout``:
-        the key's held-out tasks with the window's ``held_out`` traces already in them.
-        ``measure``: the bytes of the version a result makes (the driver's
-        :meth:`~combee_stream.core.versions.KeyChain.measure`), bounded by the learner's
-        ``max_update_bytes``; without it nothing bounds the size."""
-        started = anyio.current_time()
-        if onto.key != proposal.key:
-            raise ValueError(f"proposal for key {proposal.key!r} committed to {onto.key!r}")
-        if onto.version < proposal.snapshot_version:
-            raise ValueError(
-                f"proposal computed on version {proposal.snapshot_version} committed to the "
-                f"older version {onto.version}"
-            )
-        stats = msgspec.structs.replace(
-            proposal.stats, stale_by=onto.version - proposal.snapshot_version
-        )
-        delta = proposal.delta
-        if not delta.sources and held_out:  # only held-out traces: a version for their offsets
-            bumped = apply(onto, empty(onto.key, onto.version), token_budget=None)
-            return WindowResult(
-                bumped.playbook, empty(onto.key, onto.version), delta, bumped, proposal.failed,
-                proposal.reflections, stats, held_out=list(held_out), holdout=holdout,
-            )  # fmt: skip
-        if not delta.sources:  # every reflection failed: nothing learned, nothing to apply
-            unchanged = ApplyResult(playbook=onto, applied=False, tokens=playbook_tokens(onto))
-            return WindowResult(
-                onto, delta, delta, unchanged, proposal.failed, proposal.reflections, stats
-            )
-        if onto.version != delta.base_version:
-            delta = rebase(delta, onto)
-
-        async def reviewed(base: Playbook, budget: int | None = -1) -> ApplyResult:
-            return await self._apply(
-                base, delta, proposal.tasks, budget=budget, own_tasks=proposal.add_tasks,
-                refused=proposal.skipped, quoted=proposal.quoted,
-            )  # fmt: skip
-
-        result = await reviewed(onto)
-        limit = self.max_update_bytes if measure is not None else None
-
-        def built(
-            applied: ApplyResult,
-            applied_delta: Delta,
-            rejection: Rejection | None = None,
-            report: GateReport | None = None,
-        ) -> WindowResult:
-            return WindowResult(
-                playbook=applied.playbook, delta=applied_delta, proposed=proposal.delta,
-                applied=applied, failed=proposal.failed, reflections=proposal.reflections,
-                stats=stats, rejection=rejection, held_out=list(held_out), holdout=holdout,
-                report=report,
-            )  # fmt: skip
-
-        def size(applied: ApplyResult, applied_delta: Delta) -> int:
-            """The bytes of the version ``applied`` would make (0 when nothing bounds it)."""
-            if limit is None or measure is None or not applied.applied:
-                return 0
-            return measure(built(applied, applied_delta))
-
-        def fits(applied: ApplyResult) -> bool:
-            return playbook_tokens(applied.playbook) <= self._config.token_budget and (
-                limit is None or size(applied, delta) <= limit
-            )
-
-        # Near the budget (tokens or bytes): the window's result is consolidated (its own
-        # near-duplicates and the playbook's); if even that does not fit, the playbook alone
-        # is, and the window applied onto it. One version either way; the gate reviews it whole.
-        base, consolidation = onto, None
-        if self._near_budget(onto, result, size(result, delta)):
-            # (What fit the budget is what no budget gives: not applied, nor reviewed, twice.)
-            full = result if result.applied else await reviewed(onto, budget=None)
-            merged, consolidation = await self.consolidate(full.playbook, stats)
-            if consolidation is not None and fits(narrowed := _narrowed(full, merged)):
-                result = narrowed
-            else:
-                base, consolidation = await self.consolidate(onto, stats)
-                if consolidation is not None:
-                    result = await reviewed(base)
-        applied_delta = delta
-        report: GateReport | None = None
-        rejection: Rejection | None = result.rejected
-
-        def keep_only(with_tags: bool) -> Delta:
-            tags = delta.tags if with_tags else []
-            return Delta(key=onto.key, tags=tags, sources=delta.sources, base_version=onto.version)
-
-        async def review(playbook: Playbook) -> Verdict:
-            return await self._gate.review(
-                Candidate(
-                    key=onto.key, parent=onto, playbook=playbook, delta=delta,
-                    reflections=proposal.reflections, holdout=holdout,
-                )
-            )  # fmt: skip
-
-        fallbacks: list[Delta] = []
-        if not result.applied:
-            fallbacks = [keep_only(True), keep_only(False)]
-        elif limit is not None and (would_be := size(result, delta)) > limit:
-            # Measured before the gate: a candidate that cannot be published is not reviewed.
-            rejection = SizeRejection(limit=limit, would_be=would_be)
-            fallbacks = [keep_only(True), keep_only(False)]
-        else:
-            verdict = await review(result.playbook)
-            report = verdict.report
-            if verdict.holdout is not None:
-                holdout = verdict.holdout
-            if verdict.blame:
-                # Once more without the new bullets the agent cited on tasks it got wrong: one
-                # bad lesson does not cost the window's good ones, nor get in with them. Kept
-                # when the rest passes (else the first verdict stands).
-                pruned = _without(result.playbook, set(verdict.blame))
-                second = await review(pruned)
-                if second.accepted:
-                    result = _narrowed(result, pruned)
-                    if second.report is not None:
-                        report = msgspec.structs.replace(second.report, pruned=verdict.blame)
-                verdict = second if second.accepted else verdict
-            if not verdict.accepted:
-                rejection = GateRejection(gate=self._gate.name, reason=verdict.reason)
-                base, consolidation = onto, None  # nothing of the candidate is kept
-                fallbacks = [keep_only(False)]
-        for fallback in fallbacks:
-            attempt = apply(base, fallback, token_budget=self._config.token_budget)
-            if attempt.applied:
-                applied_delta = fallback
-                result = msgspec.structs.replace(attempt, rejected=result.rejected)
-                break
-        if consolidation is not None and rejection is not None and rejection.kind != "gate":
-            # The window did not fit even so; the consolidation alone is still a change of the
-            # prompt, reviewed like any.
-            verdict = await review(result.playbook)
-            report = verdict.report or report
-            if not verdict.accepted:
-                rejection = GateRejection(gate=self._gate.name, reason=verdict.reason)
-                consolidation = None
-                result = apply(onto, keep_only(False), token_budget=None)
-                applied_delta = keep_only(False)
-        stats.consolidation = consolidation
-        stats.delay_s += anyio.current_time() - started
-        out = built(result, applied_delta, rejection=rejection, report=report)
-        if limit is not None and measure is not None and (would_be := measure(out)) > limit:
-            # A fallback, the gate's regressions or the consolidation made it too large (a
-            # key near the limit): the exact bound holds for what is published, whatever made it.
-            return self.size_rejected(out, onto, would_be)
-        return out
+        in which case the delta is first rebased — through the commit ladder
+        (:mod:`~combee_stream.core.commit`: budget, consolidation, size, gate, blame-prune,
+        fallbacks, re-review, final size). ``holdout``: the key's held-out tasks with the
+        window's ``held_out`` traces already in them. ``measure``: the bytes of the version a
+        result makes (the driver's :meth:`~combee_stream.core.versions.KeyChain.measure`),
+        bounded by the learner's ``max_update_bytes``; without it nothing bounds the size."""
+        ladder = Commit(
+            proposal, onto, learning=self._config, gate=self._gate, review=self._apply,
+            consolidate=self.consolidate, max_update_bytes=self.max_update_bytes,
+            holdout=holdout, held_out=held_out, measure=measure,
+        )  # fmt: skip
+        return await ladder.run()
 
     def size_rejected(self, result: WindowResult, onto: Playbook, would_be: int) -> WindowResult:
-        """``result``'s window as the smallest version it can make: committed onto ``onto``
-        with its provenance only (no tags, no operations, no consolidation, the held-out
-        tasks ``onto``'s version had), rejected for size. Also what a driver publishes when
-        the broker refuses ``result``'s record (``would_be``: its size)."""
-        limit = self.max_update_bytes or would_be - 1
-        provenance = Delta(key=onto.key, sources=result.delta.sources, base_version=onto.version)
-        bumped = apply(onto, provenance, token_budget=None)
-        held = {s.trace_id for s in result.held_out}
-        holdout = result.holdout
-        if holdout is not None and held:  # the window's own held-out tasks are what grew it
-            holdout = Holdout(
-                tasks=[t for t in holdout.tasks if t.trace_id not in held],
-                regressions=[t for t in holdout.regressions if t.trace_id not in held],
-            )
-        stats = msgspec.structs.replace(result.stats, consolidation=None)
-        log.warning(
-            "version too large: window rejected for size",
-            key=onto.key,
-            limit=limit,
-            would_be=would_be,
-        )
-        return WindowResult(
-            playbook=bumped.playbook, delta=provenance, proposed=result.proposed, applied=bumped,
-            failed=result.failed, reflections=result.reflections, stats=stats,
-            rejection=SizeRejection(limit=limit, would_be=would_be), held_out=result.held_out,
-            holdout=holdout, report=result.report,
-        )  # fmt: skip
-
-    def _near_budget(self, onto: Playbook, result: ApplyResult, size: int) -> bool:
-        """Whether to consolidate: the playbook or the window's result is near the token
-        budget, or the version it makes (``size`` bytes) near ``kafka.max_message_bytes``: a
-        key of CJK lessons reaches the byte limit long before the token budget, and without
-        this every later window of it would be rejected for size."""
-        share = self._config.consolidate_at
-        if share <= 0:
-            return False
-        line = share * self._config.token_budget
-        if isinstance(result.rejected, BudgetRejection):
-            return True
-        if self.max_update_bytes is not None and size >= share * self.max_update_bytes:
-            return True
-        return playbook_tokens(onto) >= line or (result.applied and result.tokens >= line)
+        """``result``'s window as its smallest version, rejected for size
+        (:func:`~combee_stream.core.commit.size_rejected`): what a driver publishes when the
+        broker refuses ``result``'s record (``would_be``: its size)."""
+        return size_rejected(result, onto, would_be, self.max_update_bytes)
 
     async def consolidate(
         self, playbook: Playbook, stats: WindowStats
@@ -719,7 +449,7 @@ class Learner:
         margin = self._config.drop_harmful_margin
         bullets = [b for s in playbook.sections for b in s.bullets]
         dropped = [b.id for b in bullets if b.harmful >= b.helpful + margin]
-        out = _without(playbook, set(dropped))
+        out = without(playbook, set(dropped))
         limit = self._config.max_bullet_chars
         proposals: dict[int, ConsolidatorOutput] = {}
 
@@ -843,33 +573,14 @@ class Learner:
         return completion.value
 
 
-def _without(playbook: Playbook, ids: set[str]) -> Playbook:
-    """A copy of ``playbook`` without the bullets ``ids``."""
-    out = copy_playbook(playbook)
-    for section in out.sections:
-        section.bullets = [b for b in section.bullets if b.id not in ids]
-    return out
-
-
-def _narrowed(result: ApplyResult, playbook: Playbook) -> ApplyResult:
-    """``result`` with ``playbook`` (its own, some bullets merged or left out) in its place."""
-    kept = {b.id for s in playbook.sections for b in s.bullets}
-    return msgspec.structs.replace(
-        result,
-        playbook=playbook,
-        tokens=playbook_tokens(playbook),
-        added=[i for i in result.added if i in kept],
-        updated=[i for i in result.updated if i in kept],
-    )
+# How a driver gets its learner: from the config it runs with and the LLM client it made.
+LearnerFactory = Callable[[Config, LLMClient], Learner]
 
 
 __all__ = [
     "LLM",
-    "FailedTrace",
     "Learner",
-    "Proposal",
+    "LearnerFactory",
     "WindowError",
-    "WindowResult",
-    "WindowStats",
     "required_roles",
 ]

@@ -35,15 +35,9 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from combee_stream.core.controller import BatchPolicy
-from combee_stream.core.learner import (
-    FailedTrace,
-    Learner,
-    Proposal,
-    WindowError,
-    WindowResult,
-    WindowStats,
-)
+from combee_stream.core.learner import Learner, WindowError
 from combee_stream.core.prompts import ReflectionRecord
+from combee_stream.core.results import FailedTrace, Proposal, WindowResult, WindowStats
 from combee_stream.core.versions import (
     KeyChain,
     Restored,
@@ -51,7 +45,6 @@ from combee_stream.core.versions import (
     WindowInfo,
     revert_onto,
     trace_digest,
-    update_bytes,
 )
 from combee_stream.logs import get_logger
 from combee_stream.schemas import HeldOutTask, Playbook, PromptUpdate, Source, Trace
@@ -368,6 +361,7 @@ class KeyPipeline:
         # out of the pipeline and taking every other key's window down with it.
         result: WindowResult | None = None
         error = ""
+        size_of = self._learner.update_size
         for attempt in range(1, self._cfg.attempts + 1):
             try:
                 result = await self._learner.commit(
@@ -375,7 +369,9 @@ class KeyPipeline:
                     onto,
                     holdout=holdout,
                     held_out=sorted(window.held),
-                    measure=lambda r: self.chain.measure(r, self._info(window, revert)),
+                    measure=None
+                    if size_of is None
+                    else lambda r: self.chain.measure(r, self._info(window, revert), size_of),
                 )
                 break
             except WindowError as exc:
@@ -391,7 +387,8 @@ class KeyPipeline:
         limit, smallest, published = self._learner.max_update_bytes, False, None
         while update is not None and published is None:
             window.result = result
-            size = update_bytes(update)  # exact now; the learner measured with slack
+            # Exact now; the learner measured with slack.
+            size = size_of(update) if size_of is not None else 0
             if limit is None or size <= limit:
                 try:
                     published = await self._sink.publish(self.chain, update, window)

@@ -22,9 +22,10 @@ a trace reflected for two strategies or in a retried window is one request.
 
 Only these names are substituted (one pass, so a value containing ``{x}`` is left alone, and JSON
 examples in a template need no escaping). ``LearningConfig.prompts_dir`` points to a folder whose
-files of the same names replace the defaults; every template is checked when loaded for its
-required placeholders and its tagged blocks (each tag alone on its line), which delimit the
-playbook and the untrusted trace text from the instructions.
+files of the same names replace the defaults (read by :func:`combee_stream.wiring.load_prompts`:
+the learning core reads no files, its prompts are given to it); every template is checked when
+loaded for its required placeholders and its tagged blocks (each tag alone on its line), which
+delimit the playbook and the untrusted trace text from the instructions.
 
 Decision (Combee notes §8.5, what a reflection record carries): the curator sees, per
 reflection, its trace id, the task (cut to ``TASK_CHARS``) and the reflection fields; not the
@@ -39,16 +40,14 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 from typing import Final, Literal
 
 from msgspec import Struct
 
 from combee_stream.core.fencing import fence
-from combee_stream.core.llm import ChatMessage
 from combee_stream.core.playbook import PlaybookStats, find_bullet, render, stats
 from combee_stream.errors import UserError
+from combee_stream.llm import ChatMessage
 from combee_stream.schemas import Delta, Playbook, Reflection, Section, Trace, encode
 
 PROMPTS_VERSION: Final = "v1"
@@ -127,29 +126,6 @@ def parse_template(role: PromptRole, text: str, origin: str) -> Template:
     if problems:
         raise UserError(f"prompt template {origin}: " + "; ".join(problems))
     return template
-
-
-def load_prompts(prompts_dir: str | Path = "") -> Prompts:
-    """The packaged templates, with any of ``prompts_dir/{role}.md`` taking their place."""
-    folder = Path(prompts_dir) if prompts_dir else None
-    if folder is not None and not folder.is_dir():
-        raise UserError(f"prompts_dir {folder} is not a folder")
-    packaged = resources.files("combee_stream.core").joinpath("prompts")
-    loaded: dict[PromptRole, Template] = {}
-    roles: tuple[PromptRole, ...] = ("reflector", "curator", "combiner", "consolidator")
-    for role in roles:
-        override = folder / f"{role}.md" if folder is not None else None
-        if override is not None and override.is_file():
-            loaded[role] = parse_template(role, override.read_text(), str(override))
-        else:
-            resource = packaged.joinpath(f"{role}.md")
-            loaded[role] = parse_template(role, resource.read_text(), f"(packaged) {role}.md")
-    return Prompts(
-        reflector=loaded["reflector"],
-        curator=loaded["curator"],
-        combiner=loaded["combiner"],
-        consolidator=loaded["consolidator"],
-    )
 
 
 # --------------------------------------------------------------------------- rendering
@@ -301,7 +277,6 @@ __all__ = [
     "combiner_messages",
     "consolidator_messages",
     "curator_messages",
-    "load_prompts",
     "parse_template",
     "reflector_messages",
     "render_bullets_used",

@@ -25,12 +25,12 @@ Decisions:
   Ids are held as 8-byte BLAKE2b digests (:func:`trace_digest`): the same size whatever an id's
   length, and a false match (a new trace taken for a re-send) has a chance of about
   ``horizon / 2**64`` per trace.
-- **Size.** :func:`update_bytes` is what publishing a version costs the broker: the larger of
-  its two record batches (the prompts record keyed ``KEY``, the history record keyed
-  ``KEY@VERSION``, the same encoded update in both), framing included. Every driver bounds a
-  version by it against ``kafka.max_message_bytes`` (the learner's size rejection, through
-  :meth:`KeyChain.measure`); a record the broker refuses all the same (a topic whose
-  ``max.message.bytes`` an operator lowered) is :class:`UpdateTooLarge`.
+- **Size.** What publishing a version costs is measured by the learner's ``update_size``
+  (the wiring gives every driver :func:`combee_stream.kafka.sizes.update_bytes`: the larger of
+  its two record batches, framing included), bounded against ``kafka.max_message_bytes`` (the
+  learner's size rejection, through :meth:`KeyChain.measure`); a record the sink's broker
+  refuses all the same (a topic whose ``max.message.bytes`` an operator lowered) is
+  :class:`UpdateTooLarge`.
 """
 
 from __future__ import annotations
@@ -40,13 +40,11 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Final
 
-from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from msgspec import Struct
 
-from combee_stream.core.learner import WindowResult
 from combee_stream.core.playbook import copy_playbook, new_playbook, render
+from combee_stream.core.results import UpdateSize, WindowResult
 from combee_stream.errors import CombeeError, DecodeError
-from combee_stream.kafka.history import version_key
 from combee_stream.schemas import (
     Holdout,
     Playbook,
@@ -62,24 +60,9 @@ from combee_stream.schemas import (
 MEASURE_SLACK: Final = 64
 
 
-def record_bytes(key: bytes, value: bytes | None) -> int:
-    """The size of a record batch holding one record (the unit ``max.message.bytes`` bounds):
-    aiokafka's upper bound of the v2 framing plus the key and value."""
-    return int(DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, []))
-
-
-def update_bytes(update: PromptUpdate) -> int:
-    """The largest record batch publishing ``update`` writes (prompts or history topic)."""
-    value = encode(update)
-    return max(
-        record_bytes(update.key.encode(), value),
-        record_bytes(version_key(update.key, update.version), value),
-    )
-
-
 class UpdateTooLarge(CombeeError):
-    """The broker refused a version's record as too large (MESSAGE_TOO_LARGE and the like):
-    no retry can succeed, so the driver publishes the window size-rejected instead."""
+    """A sink's broker refused a version's record as too large (MESSAGE_TOO_LARGE and the like):
+    no retry can succeed, so the key pipeline publishes the window size-rejected instead."""
 
     def __init__(self, key: str, version: int, size: int, error: str) -> None:
         super().__init__(f"{key} v{version}: the broker refused {size} bytes: {error}")
@@ -277,11 +260,11 @@ class KeyChain:
             holdout=result.holdout,
         )
 
-    def measure(self, result: WindowResult, window: WindowInfo) -> int:
-        """:func:`update_bytes` of the version :meth:`next_update` would make of ``result``
-        (0 for none), plus :data:`MEASURE_SLACK`: the learner's bound on a candidate."""
+    def measure(self, result: WindowResult, window: WindowInfo, size: UpdateSize) -> int:
+        """``size`` of the version :meth:`next_update` would make of ``result`` (0 for none),
+        plus :data:`MEASURE_SLACK`: the learner's bound on a candidate."""
         update = self.next_update(result, window)
-        return 0 if update is None else update_bytes(update) + MEASURE_SLACK
+        return 0 if update is None else size(update) + MEASURE_SLACK
 
     def advance(self, update: PromptUpdate) -> None:
         """Record ``update`` as published: the chain's new head."""
@@ -355,10 +338,8 @@ __all__ = [
     "UpdateTooLarge",
     "WindowInfo",
     "pack_digests",
-    "record_bytes",
     "revert_onto",
     "seed_update",
     "trace_digest",
     "unpack_digests",
-    "update_bytes",
 ]

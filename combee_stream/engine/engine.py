@@ -47,9 +47,7 @@ from aiokafka.errors import KafkaError
 from anyio.abc import TaskGroup
 
 from combee_stream.config import Config, required_secret
-from combee_stream.core.gate import PublishGate
-from combee_stream.core.learner import Learner, required_roles
-from combee_stream.core.llm import LLMClient
+from combee_stream.core.learner import LearnerFactory, required_roles
 from combee_stream.core.versions import Restored
 from combee_stream.engine.intake import MAX_POLL_RECORDS, Intake
 from combee_stream.engine.metrics import EngineMetrics
@@ -67,6 +65,7 @@ from combee_stream.kafka.topics import (
     ensure_topics,
     lost_topic_error,
 )
+from combee_stream.llm import LLMClient
 from combee_stream.logs import get_logger
 from combee_stream.schemas import DedupHorizon, Playbook, PromptUpdate
 
@@ -97,19 +96,20 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
 
 
 class Engine:
-    """``await Engine(config).run()`` until ``stop()`` (or SIGTERM with ``handle_signals``).
-
-    ``gate``: a publish gate of your own instead of the one ``config.gate`` asks for. Raises
-    :class:`~combee_stream.errors.EngineHalted` when it stopped itself (the broker unreachable
-    past ``engine.broker_deadline_s``, or a topic of its deleted: ``TopicLostError``), and
-    ``MissingEndpointError`` at construction when an LLM role it needs has no endpoint."""
+    """``await Engine(config, make_learner).run()`` until ``stop()`` (or SIGTERM with
+    ``handle_signals``). ``make_learner`` makes the key pipelines' learner of ``config`` and
+    the engine's LLM client (``llm``, else one of its own); :class:`combee_stream.Engine` is
+    this engine with the configured one. Raises :class:`~combee_stream.errors.EngineHalted`
+    when it stopped itself (the broker unreachable past ``engine.broker_deadline_s``, or a
+    topic of its deleted: ``TopicLostError``), and whatever ``make_learner`` raises at
+    construction (``MissingEndpointError``: an LLM role it needs has no endpoint)."""
 
     def __init__(
         self,
         config: Config,
+        make_learner: LearnerFactory,
         *,
         llm: LLMClient | None = None,
-        gate: PublishGate | None = None,
         env: Mapping[str, str] | None = None,
         handle_signals: bool = False,
     ) -> None:
@@ -118,7 +118,7 @@ class Engine:
         self._llm = llm or LLMClient(config.llm, env=env)
         self._owns_llm = llm is None
         # First: a role without an endpoint raises here, before any Kafka client exists to leak.
-        learner = Learner.from_config(config, self._llm, gate=gate, env=env)
+        learner = make_learner(config, self._llm)
         canary_secret = None
         if config.gate.canary:  # (fails fast too: a canary no producer can steer needs it)
             canary_secret = required_secret(

@@ -8,7 +8,7 @@ When a partition has ``engine.queue_size`` traces buffered (read, not yet done) 
 partition, not the others, instead of blocking (the consumer keeps its group membership), and
 resumes it below half of that: a key whose windows are stuck (a slow endpoint, a huge trace)
 holds back the keys of its own partition only, never the other partitions' keys. While the LLM
-endpoint is down (its circuit breaker is open, see ``core.breaker``) every partition is paused
+endpoint is down (its circuit breaker is open, see ``llm.breaker``) every partition is paused
 and ``/readyz`` says not ready: the traces wait in Kafka, not in memory and not in the DLQ.
 """
 

@@ -2,31 +2,14 @@
 
 from __future__ import annotations
 
-from collections import Counter as Tally
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+from combee_stream.http import Health, Receive, Scope, Send, health_app
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
-
-
-class Health:
-    """What ``/healthz`` and ``/readyz`` report. Ready = partitions assigned and restored, and
-    no write to or read from Kafka currently failing (``failing`` counts operations in retry)."""
-
-    def __init__(self) -> None:
-        self.live = True
-        self.assigned = False
-        self.failing: Tally[str] = Tally()
-
-    @property
-    def ready(self) -> bool:
-        return self.live and self.assigned and not +self.failing
 
 
 OTHER_KEYS = "(other)"
@@ -177,41 +160,4 @@ class EngineMetrics:
         return health_app(self.registry, self.health)
 
 
-def health_app(
-    registry: CollectorRegistry, health: Health
-) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
-    """``/metrics`` of ``registry``, and ``/healthz`` / ``/readyz`` from ``health``: what the
-    engine and the ingest stage serve alike."""
-    metrics_app = make_asgi_app(registry)
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return
-        path = scope.get("path", "")
-        if path == "/metrics":
-            await metrics_app(scope, receive, send)
-            return
-        if path == "/healthz":
-            ok = health.live
-        elif path == "/readyz":
-            ok = health.ready
-        else:
-            await _plain(send, 404, b"not found\n")
-            return
-        await _plain(send, 200 if ok else 503, b"ok\n" if ok else b"not ready\n")
-
-    return app
-
-
-async def _plain(send: Send, status: int, body: bytes) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(body))],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
-
-
-__all__ = ["OTHER_KEYS", "EngineMetrics", "Health", "KeyLabels", "health_app"]
+__all__ = ["OTHER_KEYS", "EngineMetrics", "KeyLabels"]

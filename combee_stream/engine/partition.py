@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 from msgspec import Struct
 
-from combee_stream.engine.offsets import PartitionOffsets
+from combee_stream.kafka.offsets import PartitionOffsets
 
 
 class KeyIndex(Struct, frozen=True):

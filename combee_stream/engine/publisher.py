@@ -38,17 +38,18 @@ from aiokafka.errors import (
 )
 
 from combee_stream.config import Config
-from combee_stream.core.learner import FailedTrace
-from combee_stream.core.llm import LLMClient
 from combee_stream.core.pipeline import Window
 from combee_stream.core.playbook import playbook_tokens
-from combee_stream.core.versions import KeyChain, UpdateTooLarge, update_bytes
+from combee_stream.core.results import FailedTrace
+from combee_stream.core.versions import KeyChain, UpdateTooLarge
 from combee_stream.engine.metrics import EngineMetrics
 from combee_stream.engine.partition import KeyIndex, Partitions, PartitionState
 from combee_stream.errors import BrokerUnavailableError
-from combee_stream.kafka.client import start_client, stop_quietly
+from combee_stream.kafka.client import make_producer, start_client, stop_quietly
 from combee_stream.kafka.dlq import DeadLetter, send_dead_letter
-from combee_stream.kafka.producer import make_producer, send_horizon, send_update
+from combee_stream.kafka.producer import send_horizon, send_update
+from combee_stream.kafka.sizes import update_bytes
+from combee_stream.llm import LLMClient
 from combee_stream.logs import get_logger
 from combee_stream.retry import RetryPolicy
 from combee_stream.schemas import DedupHorizon, PromptUpdate, Trace, encode

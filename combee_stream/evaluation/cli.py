@@ -11,13 +11,13 @@ from typing import Any
 import anyio
 import msgspec
 
-from combee_stream.agent.answerer import Answerer
 from combee_stream.config import Config
-from combee_stream.core.llm import LLMClient
 from combee_stream.core.playbook import render
 from combee_stream.errors import DecodeError, UserError
+from combee_stream.evaluation.answerer import Answerer
 from combee_stream.evaluation.run import EvalResult, compare, evaluate
 from combee_stream.kafka.reader import read_updates
+from combee_stream.llm import LLMClient
 from combee_stream.schemas import Playbook, decode
 from combee_stream.tasks import load_tasks
 

@@ -7,9 +7,9 @@ from collections.abc import Callable, Sequence
 import anyio
 from msgspec import Struct
 
-from combee_stream.agent.answerer import Answerer
-from combee_stream.core.llm import LLMCallError
+from combee_stream.evaluation.answerer import Answerer
 from combee_stream.evaluation.stats import Paired, paired, wilson
+from combee_stream.llm import LLMCallError
 from combee_stream.tasks.base import Task, is_correct
 
 

@@ -11,7 +11,7 @@ send), recognised by its top-level ``data`` key, which a FeedbackRecord never ha
                "metadata": {...}, "identifier": ""}]}
 
 Each item names one span or one trace (span and trace items may be mixed). The result maps as
-every evaluator's result does (:func:`~combee_stream.formats.genai.result_feedback`): a score in
+every evaluator's result does (:func:`~combee_stream.formats.feedback.result_feedback`): a score in
 [0, 1] -> score, a label in ``ingest.pass_labels`` / ``fail_labels`` -> passed, and
 ``name (label, annotator_kind): explanation`` -> text; ``metadata`` is not kept. An annotation
 with the same name and identifier on the same span or trace as an earlier one replaces it, as
@@ -28,7 +28,7 @@ from msgspec import Struct
 
 from combee_stream.config import IngestConfig
 from combee_stream.errors import DecodeError
-from combee_stream.formats.genai import result_feedback
+from combee_stream.formats.feedback import result_feedback
 from combee_stream.schemas import Feedback, check_unique_keys
 
 

@@ -73,18 +73,13 @@ import msgspec
 from msgspec import Struct
 
 from combee_stream.config import IngestConfig
-from combee_stream.engine.offsets import PartitionOffsets
 from combee_stream.errors import DecodeError
 from combee_stream.formats import bound_task
-from combee_stream.formats.genai import (
-    evaluation_errors,
-    evaluations,
-    prompt_key,
-    root_span,
-    trace_from_spans,
-)
+from combee_stream.formats.feedback import evaluation_errors, evaluations
+from combee_stream.formats.genai import prompt_key, root_span, trace_from_spans
 from combee_stream.formats.phoenix import Annotated
 from combee_stream.formats.spans import EVALUATION_EVENT, LogEvent, Span, Telemetry
+from combee_stream.kafka.offsets import PartitionOffsets
 from combee_stream.schemas import Feedback, FeedbackRecord, Trace, encode
 
 # A message's place: (topic, partition, offset).

@@ -9,7 +9,7 @@ from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from combee_stream.engine.metrics import Health, Receive, Scope, Send, health_app
+from combee_stream.http import Health, Receive, Scope, Send, health_app
 from combee_stream.ingest.assembler import Rejected, Written
 from combee_stream.kafka.dlq import DeadLetter
 

@@ -52,9 +52,8 @@ from combee_stream.formats.otlp import decode_telemetry
 from combee_stream.formats.phoenix import decode_annotations, is_annotations
 from combee_stream.ingest.assembler import Assembler, Rejected, TraceMark, Written
 from combee_stream.ingest.metrics import IngestMetrics
-from combee_stream.kafka.client import client_kwargs, start_client, stop_quietly
+from combee_stream.kafka.client import client_kwargs, make_producer, start_client, stop_quietly
 from combee_stream.kafka.dlq import DeadLetter
-from combee_stream.kafka.producer import make_producer
 from combee_stream.kafka.reader import read_to_end
 from combee_stream.kafka.topics import ensure_ingest_topics
 from combee_stream.logs import get_logger

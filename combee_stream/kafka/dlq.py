@@ -15,8 +15,13 @@ from aiokafka.errors import ProducerFenced
 
 from combee_stream.config import KafkaConfig
 from combee_stream.errors import UserError
-from combee_stream.kafka.client import client_kwargs, partitions_of, start_client, stop_quietly
-from combee_stream.kafka.producer import make_producer
+from combee_stream.kafka.client import (
+    client_kwargs,
+    make_producer,
+    partitions_of,
+    start_client,
+    stop_quietly,
+)
 from combee_stream.kafka.reader import until_end
 from combee_stream.logs import get_logger
 from combee_stream.schemas import SCHEMA_VERSION

@@ -30,7 +30,7 @@ from aiokafka.partitioner import murmur2
 
 from combee_stream.config import CANARY_SECRET_ENV, KafkaConfig
 from combee_stream.errors import DecodeError, UserError
-from combee_stream.kafka.client import start_client, stop_quietly
+from combee_stream.kafka.client import make_producer, start_client, stop_quietly
 from combee_stream.kafka.reader import read_to_end
 from combee_stream.schemas import LabelMove, Labels, PromptUpdate, decode, encode
 
@@ -329,8 +329,6 @@ async def _write(
     env: Mapping[str, str] | None,
 ) -> None:
     """The labels and the audit records of their moves, in one transaction."""
-    from combee_stream.kafka.producer import make_producer  # (producer imports this module)
-
     partition = partition_of(key, cfg.partitions)
     # One transactional id per key: two writers moving one key's labels at once are
     # serialised (the later one fences the earlier), and a move is all or nothing.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, Self
@@ -10,70 +9,9 @@ from typing import Any, Self
 from aiokafka import AIOKafkaProducer
 
 from combee_stream.config import KafkaConfig
-from combee_stream.kafka.client import client_kwargs, start_client
+from combee_stream.kafka.client import make_producer, start_client
 from combee_stream.kafka.history import history_records
 from combee_stream.schemas import DedupHorizon, FeedbackRecord, PromptUpdate, Trace, encode
-
-
-def make_producer(
-    cfg: KafkaConfig, env: Mapping[str, str] | None = None, **overrides: Any
-) -> AIOKafkaProducer:
-    """An idempotent producer (acks=all): retries never duplicate or reorder a partition. One
-    send fails after ``kafka.request_timeout_ms`` when the broker cannot be reached."""
-    kwargs = {
-        **client_kwargs(cfg, env),
-        "enable_idempotence": True,
-        "acks": "all",
-        "request_timeout_ms": cfg.request_timeout_ms,
-        # A prompt version may be as large as the prompts topic takes (plus batch framing).
-        "max_request_size": max(1_048_576, cfg.max_message_bytes + 65_536),
-    }
-    kwargs.update(overrides)
-    return _Producer(**kwargs)
-
-
-class _Producer(AIOKafkaProducer):  # type: ignore[misc]
-    """aiokafka's producer, leaving no future's exception unretrieved when it fails for good.
-
-    Fenced (or failed otherwise for good), aiokafka 0.14 sets the error on futures nobody
-    awaits: the delivery future of each record sent and not awaited (a transaction waits for
-    its commit, not for each send), the drain waiter of each batch not yet sent, and the
-    transaction's waiter, which its context manager skips on a fatal error. asyncio logs each
-    one it collects as "Future exception was never retrieved" with a traceback (8 for a fenced
-    zombie engine). The delivery futures are retrieved as they complete (awaiting one still
-    raises); the rest when the producer stops."""
-
-    async def send(self, *args: Any, **kwargs: Any) -> asyncio.Future[Any]:
-        future: asyncio.Future[Any] = await super().send(*args, **kwargs)
-        future.add_done_callback(_retrieve)
-        return future
-
-    async def stop(self) -> None:
-        try:
-            await super().stop()
-        finally:
-            _retrieve_leftovers(self)
-
-
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    if future.done() and not future.cancelled():
-        future.exception()
-
-
-def _retrieve_leftovers(producer: AIOKafkaProducer) -> None:
-    """The futures of a stopped producer that may hold an error nobody will ask for."""
-    accumulator = getattr(producer, "_message_accumulator", None)
-    batches = [b for queue in getattr(accumulator, "_batches", {}).values() for b in queue]
-    for batch in [*batches, *getattr(accumulator, "_pending_batches", ())]:
-        _retrieve(batch.future)
-        _retrieve(batch._drain_waiter)
-        for future, _ in batch._msg_futures:
-            _retrieve(future)
-    txn = getattr(producer, "_txn_manager", None)
-    for name in ("_transaction_waiter", "_pid_waiter"):
-        waiter = getattr(txn, name, None)
-        if isinstance(waiter, asyncio.Future):
-            _retrieve(waiter)
 
 
 class TraceProducer:

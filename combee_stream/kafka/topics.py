@@ -43,6 +43,22 @@ class TopicMismatchError(UserError):
     """An existing topic does not match what the engine needs."""
 
 
+def run_topics(cfg: KafkaConfig, run: str, **overrides: object) -> KafkaConfig:
+    """``cfg`` with topics and a consumer group of one run's own (``RUN.traces``,
+    ``RUN.prompts``, ``RUN.history``, ``RUN.dlq``, group ``RUN.group``), so the runs on one
+    broker (demos, benchmarks, tests) never see each other's data; ``overrides`` replace other
+    fields (``partitions``, say)."""
+    return msgspec.structs.replace(
+        cfg,
+        traces_topic=f"{run}.traces",
+        prompts_topic=f"{run}.prompts",
+        history_topic=f"{run}.history",
+        dlq_topic=f"{run}.dlq",
+        group_id=f"{run}.group",
+        **overrides,
+    )
+
+
 def topic_specs(cfg: KafkaConfig) -> list[TopicSpec]:
     prompts_configs = {
         "cleanup.policy": "compact",
@@ -401,6 +417,7 @@ __all__ = [
     "ensure_topics",
     "ingest_topic_specs",
     "lost_topic_error",
+    "run_topics",
     "state_recovery",
     "topic_config",
     "topic_specs",

@@ -35,15 +35,15 @@ from msgspec import Struct
 
 from combee_stream.config import Config
 from combee_stream.core.controller import batch_policy
-from combee_stream.core.gate import PublishGate
-from combee_stream.core.learner import FailedTrace, Learner, required_roles
-from combee_stream.core.llm import LLMClient, RoleUsage
+from combee_stream.core.learner import LearnerFactory, required_roles
 from combee_stream.core.pipeline import KeyPipeline, PipelineSettings, Window, closed_inbox
 from combee_stream.core.prompts import PROMPTS_VERSION
+from combee_stream.core.results import FailedTrace
 from combee_stream.core.scan import STRATEGIES
 from combee_stream.core.versions import KeyChain
 from combee_stream.errors import UserError
 from combee_stream.formats import trace_format
+from combee_stream.llm import LLMClient, RoleUsage
 from combee_stream.offline.source import BadLine, read_traces
 from combee_stream.offline.store import History, OutputDir
 from combee_stream.schemas import Playbook, PromptUpdate, Source, Trace
@@ -201,17 +201,18 @@ async def run_learn(
     config: Config,
     traces_path: Path,
     out_dir: Path,
+    make_learner: LearnerFactory,
     *,
     strategy: str | None = None,
     batch_size: str | None = None,
     resume: bool = False,
     seed: int | None = None,
-    gate: PublishGate | None = None,
     env: Mapping[str, str] | None = None,
     stderr: TextIO | None = None,
 ) -> LearnReport:
-    """The whole ``learn`` command, callable from code (benchmarks, tests). ``gate``: a publish
-    gate of your own instead of the one ``config.gate`` asks for."""
+    """The whole ``learn`` command, callable from code (benchmarks, tests), with the learner
+    ``make_learner`` makes of the run's config and LLM client (:func:`combee_stream.run_learn`:
+    the configured one)."""
     stderr = stderr or sys.stderr
     started = anyio.current_time()
     learning = config.learning
@@ -282,7 +283,7 @@ async def run_learn(
     progress = Progress(sum(len(v) for v in by_key.values()), stderr)
     sink = FileSink(out, report, progress, history.playbooks, learning.max_attempts)
     try:
-        learner = Learner.from_config(config, client, gate=gate, env=env)
+        learner = make_learner(config, client)
         settings = offline_settings(config)
         async with anyio.create_task_group() as tg:
             for key, items in by_key.items():

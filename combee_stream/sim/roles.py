@@ -15,9 +15,9 @@ from typing import Final, Literal
 
 import msgspec
 
-from combee_stream.agent.answerer import AgentOutput
 from combee_stream.core.outputs import ConsolidatorOutput, CuratorOutput, Merge, ReflectorOutput
-from combee_stream.core.replay import JudgeOutput
+from combee_stream.evaluation.answerer import AgentOutput
+from combee_stream.evaluation.replay import JudgeOutput
 from combee_stream.schemas import AddOp, BulletTag, Operation
 from combee_stream.sim.faults import unit
 from combee_stream.sim.markers import (

@@ -10,7 +10,7 @@ from typing import Any
 
 from combee_stream.config import Config
 from combee_stream.core.scan import STRATEGIES
-from combee_stream.offline.run import run_learn
+from combee_stream.wiring import run_learn
 
 
 def register(subparsers: Any) -> None:

@@ -40,14 +40,14 @@ from typing import Final
 import anyio
 from msgspec import Struct
 
-from combee_stream.agent.answerer import Answerer
 from combee_stream.config import GateConfig
 from combee_stream.core.fencing import fence
 from combee_stream.core.gate import Candidate, Verdict
 from combee_stream.core.holdout import covers, review_tasks, with_regressions
-from combee_stream.core.llm import LLMCallError, LLMClient
 from combee_stream.core.playbook import render
 from combee_stream.errors import ConfigError
+from combee_stream.evaluation.answerer import Answerer
+from combee_stream.llm import LLMCallError, LLMClient
 from combee_stream.schemas import GateReport, HeldOutTask
 from combee_stream.tasks.base import SCORERS
 

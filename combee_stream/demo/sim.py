@@ -1,28 +1,12 @@
-"""``combee-stream demo``: the whole loop on this machine, with a REAL model and no API key.
-
-1. the local Kafka broker and fresh topics (every run learns from scratch);
-2. an LLM: the config's agent endpoint if one is set, else a local model served here by
-   llama.cpp (``llm serve``; the first run builds it: say so, show progress);
-3. the engine, with the batch-size controller (and, in ``--sim``, the replay gate: ``DEMO_GATE``);
-4. the example agent at work on generated finance problems: every task is answered with the
-   current prompt of key ``finance`` and sent back as a trace with the environment's feedback;
-5. live in the terminal (rich): accuracy of the agent per prompt version, the batch size the
-   controller chose, the playbook growing;
-6. at the end, before/after on held-out tasks: the base prompt against the newest one, paired.
-
-``demo --sim`` is the quick demo against the project's simulated LLM (no model to build).
-"""
+"""``demo --sim``: the quick demo against the project's simulated LLM (no model to build), the
+publish gate on (``DEMO_GATE``) and a tenth of the later traces hostile."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
-import uuid
-from collections.abc import Iterator
 from contextlib import AsyncExitStack
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -30,87 +14,15 @@ import msgspec
 from aiokafka import AIOKafkaConsumer
 
 from combee_stream.config import Config, GateConfig
-from combee_stream.engine import Engine
-from combee_stream.kafka.broker import start_broker
+from combee_stream.demo.common import fresh_kafka, gate_note, say
 from combee_stream.kafka.client import client_kwargs
 from combee_stream.kafka.dlq import H_ERROR
 from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.subscriber import PromptSubscriber
-from combee_stream.kafka.topics import ensure_topics
-from combee_stream.logs import configure_logging
 from combee_stream.prompts_cli import seed_prompt
-from combee_stream.schemas import PromptUpdate
 from combee_stream.sim import LatencyModel, SimSettings, sim_server, simulated_llm
 from combee_stream.sim.tasks import INJECTION, sim_tasks, task_traces
-
-
-def register(sub: Any) -> None:
-    parser = sub.add_parser(
-        "demo",
-        help="the whole loop locally: broker, a real local model (or --sim), engine, an agent",
-    )
-    parser.add_argument("--sim", action="store_true", help="the quick simulated-LLM demo")
-    parser.add_argument("--tasks", type=int, default=24, help="tasks the agent works on")
-    # 30: with fewer, the paired interval of a real gain spans zero (12 gave +-28 points).
-    parser.add_argument("--held-out", type=int, default=30, help="tasks of the before/after")
-    parser.add_argument("--model", default=None, help="local model (default: local_llm.model)")
-    parser.add_argument("--seed", type=int, default=None, help="task seed (default: random)")
-    # the simulated demo
-    parser.add_argument("--traces", type=int, default=120, help="--sim: synthetic traces to send")
-    parser.add_argument("--keys", type=int, default=2, help="--sim: keys")
-    # Six lessons a key: the gate's held-out tasks (about 18 a key) then cover every lesson, so
-    # a wrong rule for any case meets a task it breaks. With 12, one case in five had no
-    # held-out task and its poison passed the gate (what a replay gate can and cannot see).
-    parser.add_argument("--lessons", type=int, default=6, help="--sim: distinct lessons per key")
-    parser.set_defaults(handler=_demo)
-
-
-def say(text: str) -> None:
-    print(text, flush=True)
-
-
-async def _demo(args: argparse.Namespace, config: Config) -> int:
-    with engine_logs(config):
-        if args.sim:
-            return await _sim_demo(args, config)
-        from combee_stream.live_demo import run_live_demo
-
-        return await run_live_demo(args, config)
-
-
-@contextlib.contextmanager
-def engine_logs(config: Config) -> Iterator[Path]:
-    """The engine's (and the clients') log lines into a file the demo names, not between its
-    own lines; the process's logging is put back afterwards."""
-    folder = Path(config.broker.state_dir).parent
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "demo.log"
-    with path.open("w") as out:
-        configure_logging(config.log.level, to=out)
-        say(f"(engine logs: {path})")
-        try:
-            yield path
-        finally:
-            configure_logging(config.log.level, config.log.format)
-
-
-async def _fresh_kafka(config: Config) -> Config:
-    say("starting the local Kafka broker (the first run downloads its jars with Maven)")
-    bootstrap = await anyio.to_thread.run_sync(start_broker, config.broker)
-    run = f"demo.{uuid.uuid4().hex[:8]}"
-    kafka = msgspec.structs.replace(
-        config.kafka,
-        bootstrap_servers=bootstrap,
-        traces_topic=f"{run}.traces",
-        prompts_topic=f"{run}.prompts",
-        history_topic=f"{run}.history",
-        dlq_topic=f"{run}.dlq",
-        group_id=run,
-    )
-    say(f"   broker ready at {bootstrap}; topics {run}.*")
-    await ensure_topics(kafka)
-    return msgspec.structs.replace(config, kafka=kafka)
-
+from combee_stream.wiring import Engine
 
 # The demo's publish gate: small held-out samples (a demo stream is short), a wide margin.
 DEMO_GATE = GateConfig(replay=True, holdout_fraction=0.3, min_samples=6, margin=0.2, scorer="exact")
@@ -119,9 +31,9 @@ DEMO_GATE = GateConfig(replay=True, holdout_fraction=0.3, min_samples=6, margin=
 DEMO_HOLDOUT_SECRET = "combee-stream demo, not a deployment's key"
 
 
-async def _sim_demo(args: argparse.Namespace, config: Config) -> int:
+async def run_sim_demo(args: argparse.Namespace, config: Config) -> int:
     say("1. the simulated-LLM demo (no real model: every number below is simulated)")
-    cfg = await _fresh_kafka(config)
+    cfg = await fresh_kafka(config)
     kafka = cfg.kafka
     # Failed runs of simulated tasks with their ground truth. A tenth of the later ones are
     # hostile: half carry a wrong rule (poison) that the publish gate must keep out of the
@@ -203,21 +115,6 @@ async def _sim_demo(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
-def gate_note(update: PromptUpdate) -> str:
-    """What the publish gate did with a version, in a few words (for the demos)."""
-    stats = update.stats
-    held = f", {len(stats.held_out)} held out" if stats.held_out else ""
-    if stats.rejection is not None:
-        return f"{held}; refused: {getattr(stats.rejection, 'reason', stats.rejection.kind)}"
-    if stats.gate is not None:
-        g = stats.gate
-        left = (
-            f", left out {len(g.pruned)} new bullet(s) cited on wrong answers" if g.pruned else ""
-        )
-        return f"{held}; gate passed ({g.current:.0%} -> {g.candidate:.0%} on {g.n} tasks{left})"
-    return held
-
-
 async def _show_dead_letter(kafka: Any) -> None:
     consumer = AIOKafkaConsumer(
         kafka.dlq_topic,
@@ -241,4 +138,4 @@ async def _show_dead_letter(kafka: Any) -> None:
     print("   (no DLQ record seen in 30 s)", file=sys.stderr)
 
 
-__all__ = ["register"]
+__all__ = ["DEMO_GATE", "DEMO_HOLDOUT_SECRET", "run_sim_demo"]

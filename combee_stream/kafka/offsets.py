@@ -1,10 +1,10 @@
 """Which input offsets may be committed: the low watermark of unfinished work per partition.
 
-An offset is *pending* from the moment the engine reads it until its fate is durable: learned
-and covered by a published PromptUpdate, parked in the DLQ, or skipped as already learned. The
-committable position of a partition is the smallest pending offset (everything before it is
-done), or one past the highest offset read when nothing is pending. Committing only that never
-commits a trace whose update has not been published.
+An offset is *pending* from the moment a consumer (the engine, the ingest stage) reads it
+until its fate is durable: learned and covered by a published PromptUpdate, parked in the DLQ,
+or skipped as already learned. The committable position of a partition is the smallest pending
+offset (everything before it is done), or one past the highest offset read when nothing is
+pending. Committing only that never commits a trace whose update has not been published.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ from typing import Final
 
 from msgspec import Struct
 
-from combee_stream.agent.calculator import CalculatorError, evaluate
 from combee_stream.core.fencing import fence
-from combee_stream.core.llm import ChatMessage, LLMClient
+from combee_stream.evaluation.calculator import CalculatorError, evaluate
+from combee_stream.llm import ChatMessage, LLMClient
 
 # Every arm sends this same system message, the playbook empty or not: with no system message
 # a chat template adds its own default one (Qwen's does), and the base arm would then differ

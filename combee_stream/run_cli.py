@@ -1,4 +1,4 @@
-"""CLI: ``run``, the streaming engine."""
+"""CLI: ``run``, the streaming engine (with ``--ingest otel``, the ingest stage beside it)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def register(sub: Any) -> None:
 
 
 async def _run(args: argparse.Namespace, config: Config) -> int:
-    from combee_stream.engine.engine import Engine
+    from combee_stream.wiring import Engine
 
     engine = Engine(config, handle_signals=True)
     if args.ingest is None:

@@ -8,7 +8,7 @@ let through after a capped backoff (the one retry policy); the first probe that 
 (anything but an outage failure) closes it. A trace that fails while others succeed still
 fails, and is parked.
 
-What an outage failure is (``core.llm``'s status table): no answer (connection refused, a
+What an outage failure is (``llm.status``'s table): no answer (connection refused, a
 timeout) or an answer that every call would get alike: HTTP 5xx, a key refused (401/403), the
 model or the path gone (404), an exhausted quota (429 ``insufficient_quota``). Not a rate limit,
 not a 400 about the request itself (context too long), not an invalid reply. And a failure

@@ -26,16 +26,16 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 
-from combee_stream.agent import Answerer, PromptClient, RunRecorder
+from combee_stream.agent import PromptClient, RunRecorder
 from combee_stream.config import Config
-from combee_stream.core.llm import LLMClient
-from combee_stream.demo import _fresh_kafka, gate_note
-from combee_stream.engine import Engine
-from combee_stream.evaluation import compare, evaluate
+from combee_stream.demo.common import fresh_kafka, gate_note
+from combee_stream.evaluation import Answerer, compare, evaluate
 from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.subscriber import PromptSubscriber
+from combee_stream.llm import LLMClient
 from combee_stream.schemas import PromptUpdate
 from combee_stream.tasks import KEY, generate_tasks, task_feedback
+from combee_stream.wiring import Engine
 
 AGENT_CONCURRENCY = 2  # leaves the model's other slots to the reflector and curator
 
@@ -90,7 +90,7 @@ async def run_live_demo(args: argparse.Namespace, config: Config) -> int:
     train = generate_tasks(args.tasks, seed=seed)
     held_out = generate_tasks(args.held_out, seed=seed + 1)
     async with AsyncExitStack() as stack:
-        cfg = await _fresh_kafka(config)
+        cfg = await fresh_kafka(config)
         cfg = await _with_model(stack, cfg, args)
         cfg = msgspec.structs.replace(
             cfg,

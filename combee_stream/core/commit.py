@@ -1,0 +1,380 @@
+"""Committing a window: its proposal applied onto the key's newest playbook, a ladder of named
+steps (:class:`Commit`), each of which may narrow what the version carries:
+
+1. **nothing to apply** — a window of held-out traces only still yields a version (for their
+   offsets); one whose every reflection failed learns nothing;
+2. **rebase** — a delta computed on an older snapshot, onto the newest version
+   (:func:`~combee_stream.core.delta.rebase`);
+3. **budget** — the review (:mod:`~combee_stream.core.hygiene`) and the delta applied within
+   the token budget;
+4. **consolidation** — near the budget (tokens, or the version's bytes near
+   ``max_update_bytes``): the window's result consolidated; if that does not fit, the playbook
+   alone, and the window applied onto it. One version either way; the gate reviews it whole;
+5. **size** — a candidate over ``max_update_bytes`` is not reviewed (it cannot be published):
+   it falls back;
+6. **gate** — the publish gate reviews the candidate; **blame-prune**: when it blames new
+   bullets (cited on held-out tasks answered wrong), once more without them, kept when the rest
+   passes; a refusal keeps nothing of the candidate;
+7. **fall back** — tags + provenance, then provenance only (a gate refusal: provenance only);
+8. **re-review** — a consolidation kept under a budget or size rejection is a change of the
+   prompt of its own: reviewed like any;
+9. **final size** — whatever the steps made is measured again; over the bound, the window
+   becomes its smallest version (:func:`size_rejected`).
+
+The learner (:meth:`combee_stream.core.learner.Learner.commit`) runs it with its review, its
+consolidation, its gate and its size bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Protocol
+
+import anyio
+import msgspec
+
+from combee_stream.config import LearningConfig
+from combee_stream.core.delta import empty, rebase
+from combee_stream.core.gate import Candidate, PublishGate, Verdict
+from combee_stream.core.playbook import (
+    ApplyResult,
+    SkippedOp,
+    apply,
+    copy_playbook,
+    playbook_tokens,
+)
+from combee_stream.core.results import Proposal, WindowResult, WindowStats
+from combee_stream.logs import get_logger
+from combee_stream.schemas import (
+    BudgetRejection,
+    Consolidation,
+    Delta,
+    GateRejection,
+    GateReport,
+    Holdout,
+    Playbook,
+    Rejection,
+    SizeRejection,
+    Source,
+)
+
+log = get_logger(__name__)
+
+
+class Review(Protocol):
+    """The learner's review and apply of a delta (``budget`` -1: the token budget; None: none)."""
+
+    async def __call__(
+        self,
+        snapshot: Playbook,
+        delta: Delta,
+        tasks: Sequence[str],
+        *,
+        budget: int | None = -1,
+        own_tasks: Mapping[str, Sequence[str]] | None = None,
+        refused: Sequence[SkippedOp] = (),
+        quoted: Sequence[str] = (),
+    ) -> ApplyResult: ...
+
+
+Consolidate = Callable[[Playbook, WindowStats], Awaitable[tuple[Playbook, Consolidation | None]]]
+
+
+class Commit:
+    """One proposal committed onto ``onto``: :meth:`run` climbs the ladder. ``holdout``: the
+    key's held-out tasks with the window's ``held_out`` traces already in them. ``measure``: the
+    bytes of the version a result makes, bounded by ``max_update_bytes``; without it nothing
+    bounds the size."""
+
+    def __init__(
+        self,
+        proposal: Proposal,
+        onto: Playbook,
+        *,
+        learning: LearningConfig,
+        gate: PublishGate,
+        review: Review,
+        consolidate: Consolidate,
+        max_update_bytes: int | None,
+        holdout: Holdout | None = None,
+        held_out: Sequence[Source] = (),
+        measure: Callable[[WindowResult], int] | None = None,
+    ) -> None:
+        if onto.key != proposal.key:
+            raise ValueError(f"proposal for key {proposal.key!r} committed to {onto.key!r}")
+        if onto.version < proposal.snapshot_version:
+            raise ValueError(
+                f"proposal computed on version {proposal.snapshot_version} committed to the "
+                f"older version {onto.version}"
+            )
+        self._proposal = proposal
+        self._onto = onto
+        self._config = learning
+        self._gate = gate
+        self._review = review
+        self._consolidate = consolidate
+        self._max_update_bytes = max_update_bytes
+        self._holdout = holdout
+        self._held_out = list(held_out)
+        self._measure = measure
+        self._limit = max_update_bytes if measure is not None else None
+        self._stats = msgspec.structs.replace(
+            proposal.stats, stale_by=onto.version - proposal.snapshot_version
+        )
+        self._delta = proposal.delta
+        # What the ladder has made so far.
+        self._base = onto  # what a fallback is applied onto (a consolidated playbook, maybe)
+        self._consolidation: Consolidation | None = None
+        self._rejection: Rejection | None = None
+        self._report: GateReport | None = None
+        self._fallbacks: list[Delta] = []
+
+    async def run(self) -> WindowResult:
+        started = anyio.current_time()
+        nothing = self._nothing_to_apply()
+        if nothing is not None:
+            return nothing
+        self._rebase()
+        result = await self._within_budget(self._onto)
+        result = await self._consolidated_near_budget(result)
+        applied_delta = self._delta
+        self._rejection = result.rejected
+        if not result.applied:
+            self._fallbacks = [self._keep_only(True), self._keep_only(False)]
+        elif not self._fits_size(result):
+            self._fallbacks = [self._keep_only(True), self._keep_only(False)]
+        else:
+            result = await self._gated(result)
+        result, applied_delta = self._fallen_back(result, applied_delta)
+        result, applied_delta = await self._consolidation_reviewed(result, applied_delta)
+        self._stats.consolidation = self._consolidation
+        self._stats.delay_s += anyio.current_time() - started
+        return self._size_bounded(self._built(result, applied_delta))
+
+    # ---------------------------------------------------------------- the steps
+
+    def _nothing_to_apply(self) -> WindowResult | None:
+        """A window of held-out traces only: a version for their offsets; a window whose every
+        reflection failed: nothing learned, nothing applied. None otherwise."""
+        onto, delta, proposal = self._onto, self._delta, self._proposal
+        if not delta.sources and self._held_out:
+            bumped = apply(onto, empty(onto.key, onto.version), token_budget=None)
+            return WindowResult(
+                bumped.playbook, empty(onto.key, onto.version), delta, bumped, proposal.failed,
+                proposal.reflections, self._stats, held_out=self._held_out,
+                holdout=self._holdout,
+            )  # fmt: skip
+        if not delta.sources:
+            unchanged = ApplyResult(playbook=onto, applied=False, tokens=playbook_tokens(onto))
+            return WindowResult(
+                onto, delta, delta, unchanged, proposal.failed, proposal.reflections, self._stats
+            )
+        return None
+
+    def _rebase(self) -> None:
+        if self._onto.version != self._delta.base_version:
+            self._delta = rebase(self._delta, self._onto)
+
+    async def _within_budget(self, base: Playbook, budget: int | None = -1) -> ApplyResult:
+        """The review, then the delta applied onto ``base`` within ``budget`` (the token
+        budget by default; None: no limit)."""
+        proposal = self._proposal
+        return await self._review(
+            base, self._delta, proposal.tasks, budget=budget, own_tasks=proposal.add_tasks,
+            refused=proposal.skipped, quoted=proposal.quoted,
+        )  # fmt: skip
+
+    async def _consolidated_near_budget(self, result: ApplyResult) -> ApplyResult:
+        """Near the budget (tokens or bytes): the window's result consolidated (its own
+        near-duplicates and the playbook's); if even that does not fit, the playbook alone is,
+        and the window applied onto it."""
+        onto = self._onto
+        if not self._near_budget(result, self._size(result, self._delta)):
+            return result
+        # (What fit the budget is what no budget gives: not applied, nor reviewed, twice.)
+        full = result if result.applied else await self._within_budget(onto, budget=None)
+        merged, self._consolidation = await self._consolidate(full.playbook, self._stats)
+        if self._consolidation is not None and self._fits(narrowed := narrowed_to(full, merged)):
+            return narrowed
+        self._base, self._consolidation = await self._consolidate(onto, self._stats)
+        if self._consolidation is not None:
+            return await self._within_budget(self._base)
+        return result
+
+    def _fits_size(self, result: ApplyResult) -> bool:
+        """Measured before the gate: a candidate that cannot be published is not reviewed
+        (its rejection is the size's)."""
+        limit = self._limit
+        if limit is not None and (would_be := self._size(result, self._delta)) > limit:
+            self._rejection = SizeRejection(limit=limit, would_be=would_be)
+            return False
+        return True
+
+    async def _gated(self, result: ApplyResult) -> ApplyResult:
+        """The gate's review, with the blame-prune: once more without the new bullets the
+        agent cited on tasks it got wrong, so one bad lesson does not cost the window's good
+        ones, nor get in with them (kept when the rest passes; else the first verdict stands).
+        A refusal keeps nothing of the candidate: provenance only."""
+        verdict = await self._reviewed_by_gate(result.playbook)
+        self._report = verdict.report
+        if verdict.holdout is not None:
+            self._holdout = verdict.holdout
+        if verdict.blame:
+            pruned = without(result.playbook, set(verdict.blame))
+            second = await self._reviewed_by_gate(pruned)
+            if second.accepted:
+                result = narrowed_to(result, pruned)
+                if second.report is not None:
+                    self._report = msgspec.structs.replace(second.report, pruned=verdict.blame)
+            verdict = second if second.accepted else verdict
+        if not verdict.accepted:
+            self._rejection = GateRejection(gate=self._gate.name, reason=verdict.reason)
+            self._base, self._consolidation = self._onto, None
+            self._fallbacks = [self._keep_only(False)]
+        return result
+
+    def _fallen_back(self, result: ApplyResult, applied_delta: Delta) -> tuple[ApplyResult, Delta]:
+        """The first fallback that applies within the budget (tags + provenance, provenance)."""
+        for fallback in self._fallbacks:
+            attempt = apply(self._base, fallback, token_budget=self._config.token_budget)
+            if attempt.applied:
+                return msgspec.structs.replace(attempt, rejected=result.rejected), fallback
+        return result, applied_delta
+
+    async def _consolidation_reviewed(
+        self, result: ApplyResult, applied_delta: Delta
+    ) -> tuple[ApplyResult, Delta]:
+        """The window did not fit even so (budget or size): the consolidation alone is still a
+        change of the prompt, reviewed like any."""
+        rejection = self._rejection
+        if self._consolidation is None or rejection is None or rejection.kind == "gate":
+            return result, applied_delta
+        verdict = await self._reviewed_by_gate(result.playbook)
+        self._report = verdict.report or self._report
+        if not verdict.accepted:
+            self._rejection = GateRejection(gate=self._gate.name, reason=verdict.reason)
+            self._consolidation = None
+            result = apply(self._onto, self._keep_only(False), token_budget=None)
+            applied_delta = self._keep_only(False)
+        return result, applied_delta
+
+    def _size_bounded(self, out: WindowResult) -> WindowResult:
+        """A fallback, the gate's regressions or the consolidation made it too large (a key
+        near the limit): the exact bound holds for what is published, whatever made it."""
+        limit, measure = self._limit, self._measure
+        if limit is not None and measure is not None and (would_be := measure(out)) > limit:
+            return size_rejected(out, self._onto, would_be, self._max_update_bytes)
+        return out
+
+    # ---------------------------------------------------------------- helpers
+
+    def _built(
+        self,
+        applied: ApplyResult,
+        applied_delta: Delta,
+        *,
+        final: bool = True,
+    ) -> WindowResult:
+        proposal = self._proposal
+        return WindowResult(
+            playbook=applied.playbook, delta=applied_delta, proposed=proposal.delta,
+            applied=applied, failed=proposal.failed, reflections=proposal.reflections,
+            stats=self._stats, rejection=self._rejection if final else None,
+            held_out=list(self._held_out), holdout=self._holdout,
+            report=self._report if final else None,
+        )  # fmt: skip
+
+    def _size(self, applied: ApplyResult, applied_delta: Delta) -> int:
+        """The bytes of the version ``applied`` would make (0 when nothing bounds it)."""
+        if self._limit is None or self._measure is None or not applied.applied:
+            return 0
+        return self._measure(self._built(applied, applied_delta, final=False))
+
+    def _fits(self, applied: ApplyResult) -> bool:
+        return playbook_tokens(applied.playbook) <= self._config.token_budget and (
+            self._limit is None or self._size(applied, self._delta) <= self._limit
+        )
+
+    def _near_budget(self, result: ApplyResult, size: int) -> bool:
+        """Whether to consolidate: the playbook or the window's result is near the token
+        budget, or the version it makes (``size`` bytes) near ``max_update_bytes``: a key of
+        CJK lessons reaches the byte limit long before the token budget, and without this every
+        later window of it would be rejected for size."""
+        share = self._config.consolidate_at
+        if share <= 0:
+            return False
+        line = share * self._config.token_budget
+        if isinstance(result.rejected, BudgetRejection):
+            return True
+        if self._max_update_bytes is not None and size >= share * self._max_update_bytes:
+            return True
+        return playbook_tokens(self._onto) >= line or (result.applied and result.tokens >= line)
+
+    def _keep_only(self, with_tags: bool) -> Delta:
+        delta, onto = self._delta, self._onto
+        tags = delta.tags if with_tags else []
+        return Delta(key=onto.key, tags=tags, sources=delta.sources, base_version=onto.version)
+
+    async def _reviewed_by_gate(self, playbook: Playbook) -> Verdict:
+        onto, proposal = self._onto, self._proposal
+        return await self._gate.review(
+            Candidate(
+                key=onto.key, parent=onto, playbook=playbook, delta=self._delta,
+                reflections=proposal.reflections, holdout=self._holdout,
+            )
+        )  # fmt: skip
+
+
+def size_rejected(
+    result: WindowResult, onto: Playbook, would_be: int, max_update_bytes: int | None
+) -> WindowResult:
+    """``result``'s window as the smallest version it can make: committed onto ``onto``
+    with its provenance only (no tags, no operations, no consolidation, the held-out
+    tasks ``onto``'s version had), rejected for size. Also what a driver publishes when
+    the broker refuses ``result``'s record (``would_be``: its size)."""
+    limit = max_update_bytes or would_be - 1
+    provenance = Delta(key=onto.key, sources=result.delta.sources, base_version=onto.version)
+    bumped = apply(onto, provenance, token_budget=None)
+    held = {s.trace_id for s in result.held_out}
+    holdout = result.holdout
+    if holdout is not None and held:  # the window's own held-out tasks are what grew it
+        holdout = Holdout(
+            tasks=[t for t in holdout.tasks if t.trace_id not in held],
+            regressions=[t for t in holdout.regressions if t.trace_id not in held],
+        )
+    stats = msgspec.structs.replace(result.stats, consolidation=None)
+    log.warning(
+        "version too large: window rejected for size",
+        key=onto.key,
+        limit=limit,
+        would_be=would_be,
+    )
+    return WindowResult(
+        playbook=bumped.playbook, delta=provenance, proposed=result.proposed, applied=bumped,
+        failed=result.failed, reflections=result.reflections, stats=stats,
+        rejection=SizeRejection(limit=limit, would_be=would_be), held_out=result.held_out,
+        holdout=holdout, report=result.report,
+    )  # fmt: skip
+
+
+def without(playbook: Playbook, ids: set[str]) -> Playbook:
+    """A copy of ``playbook`` without the bullets ``ids``."""
+    out = copy_playbook(playbook)
+    for section in out.sections:
+        section.bullets = [b for b in section.bullets if b.id not in ids]
+    return out
+
+
+def narrowed_to(result: ApplyResult, playbook: Playbook) -> ApplyResult:
+    """``result`` with ``playbook`` (its own, some bullets merged or left out) in its place."""
+    kept = {b.id for s in playbook.sections for b in s.bullets}
+    return msgspec.structs.replace(
+        result,
+        playbook=playbook,
+        tokens=playbook_tokens(playbook),
+        added=[i for i in result.added if i in kept],
+        updated=[i for i in result.updated if i in kept],
+    )
+
+
+__all__ = ["Commit", "Consolidate", "Review", "narrowed_to", "size_rejected", "without"]

@@ -1,0 +1,166 @@
+"""The commit ladder (core/commit.py) step by step, without an LLM: a window's proposal, a gate
+that records what it was shown, and a size measure counted by hand."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import anyio
+import pytest
+
+from combee_stream.config import LearningConfig
+from combee_stream.core.commit import Commit, Review
+from combee_stream.core.gate import AcceptAll, Candidate, Verdict
+from combee_stream.core.playbook import ApplyResult, SkippedOp, apply, new_playbook
+from combee_stream.core.results import Proposal, WindowResult, WindowStats
+from combee_stream.schemas import (
+    AddOp,
+    BudgetRejection,
+    Consolidation,
+    Delta,
+    GateRejection,
+    Playbook,
+    SizeRejection,
+    Source,
+)
+
+KEY = "k"
+BUDGET = 10_000
+SECTION = "STRATEGIES & INSIGHTS"
+SOURCES = [Source("t1", 0, 1), Source("t2", 0, 2)]
+
+
+class Recording:
+    """A gate that answers ``verdicts`` in turn and keeps every candidate's bullets."""
+
+    name = "recording"
+
+    def __init__(self, *verdicts: Verdict) -> None:
+        self.verdicts = list(verdicts)
+        self.shown: list[list[str]] = []
+
+    async def review(self, candidate: Candidate) -> Verdict:
+        self.shown.append(bullets(candidate.playbook))
+        return self.verdicts.pop(0) if self.verdicts else Verdict(accepted=True)
+
+
+def reviewing(token_budget: int) -> Review:
+    """The learner's review without its hygiene: the delta applied within the budget."""
+
+    async def review(
+        snapshot: Playbook,
+        delta: Delta,
+        tasks: Sequence[str],
+        *,
+        budget: int | None = -1,
+        own_tasks: Mapping[str, Sequence[str]] | None = None,
+        refused: Sequence[SkippedOp] = (),
+        quoted: Sequence[str] = (),
+    ) -> ApplyResult:
+        return apply(snapshot, delta, token_budget=token_budget if budget == -1 else budget)
+
+    return review
+
+
+async def no_consolidation(
+    playbook: Playbook, stats: WindowStats
+) -> tuple[Playbook, Consolidation | None]:
+    return playbook, None
+
+
+def bullets(playbook: Playbook) -> list[str]:
+    return [b.content for s in playbook.sections for b in s.bullets]
+
+
+def proposal(*lessons: str) -> Proposal:
+    delta = Delta(
+        key=KEY,
+        operations=[AddOp(section=SECTION, content=text) for text in lessons],
+        sources=SOURCES,
+    )
+    return Proposal(KEY, 0, delta, [], [], WindowStats(strategy="combee", traces=2))
+
+
+async def committed(
+    lessons: Sequence[str],
+    gate: Recording | AcceptAll,
+    *,
+    budget: int = BUDGET,
+    limit: int | None = None,
+) -> WindowResult:
+    """``lessons`` committed onto an empty playbook; ``limit``: bytes, one per character of
+    the version's bullets (a measure the test can count)."""
+
+    def measure(result: WindowResult) -> int:
+        return sum(len(text) for text in bullets(result.playbook))
+
+    ladder = Commit(
+        proposal(*lessons),
+        new_playbook(KEY),
+        learning=LearningConfig(token_budget=budget, consolidate_at=0),
+        gate=gate,
+        review=reviewing(budget),
+        consolidate=no_consolidation,
+        max_update_bytes=limit,
+        measure=measure if limit is not None else None,
+    )
+    return await ladder.run()
+
+
+def run(lessons: Sequence[str], gate: Recording | AcceptAll, **kw: int) -> WindowResult:
+    async def main() -> WindowResult:
+        return await committed(lessons, gate, **kw)
+
+    return anyio.run(main)
+
+
+def test_a_candidate_within_its_bounds_is_reviewed_once_and_published_whole() -> None:
+    gate = Recording()
+    result = run(["use the ledger", "check the units"], gate)
+    assert gate.shown == [["use the ledger", "check the units"]]
+    assert result.rejection is None and bullets(result.playbook) == gate.shown[0]
+    assert result.learned == SOURCES
+
+
+def test_a_candidate_over_the_size_bound_is_never_shown_to_the_gate() -> None:
+    gate = Recording()
+    # 14 + 15 characters of bullets: over a 20-byte bound, so the version falls back.
+    result = run(["use the ledger", "check the units"], gate, limit=20)
+    assert gate.shown == []
+    assert result.rejection == SizeRejection(limit=20, would_be=29)
+    assert bullets(result.playbook) == [] and result.learned == SOURCES
+
+
+def test_a_candidate_over_the_token_budget_falls_back_to_provenance_unreviewed() -> None:
+    gate = Recording()
+    result = run(["a lesson far too long for a budget of a few tokens " * 4], gate, budget=5)
+    assert gate.shown == []
+    assert isinstance(result.rejection, BudgetRejection)
+    assert bullets(result.playbook) == [] and result.learned == SOURCES
+
+
+def test_the_gate_blame_is_pruned_and_the_rest_reviewed_again() -> None:
+    first = new_playbook(KEY)
+    blamed = apply(first, proposal("poison rule", "good rule").delta, token_budget=None)
+    poison_id = blamed.added[0]
+    gate = Recording(Verdict(accepted=False, reason="broke a task", blame=[poison_id]))
+    result = run(["poison rule", "good rule"], gate)
+    assert gate.shown == [["poison rule", "good rule"], ["good rule"]]
+    assert result.rejection is None and bullets(result.playbook) == ["good rule"]
+
+
+def test_a_refused_candidate_keeps_nothing_of_its_window_but_its_provenance() -> None:
+    gate = Recording(Verdict(accepted=False, reason="worse on held-out tasks"))
+    result = run(["a rule the gate refuses"], gate)
+    assert gate.shown == [["a rule the gate refuses"]]
+    assert result.rejection == GateRejection(gate="recording", reason="worse on held-out tasks")
+    assert bullets(result.playbook) == [] and result.delta.tags == []
+    assert result.learned == SOURCES and result.playbook.version == 1
+
+
+def test_a_proposal_for_another_key_or_an_older_version_is_refused() -> None:
+    with pytest.raises(ValueError, match="committed to"):
+        Commit(
+            proposal("x"), new_playbook("other"), learning=LearningConfig(), gate=AcceptAll(),
+            review=reviewing(BUDGET), consolidate=no_consolidation, max_update_bytes=None,
+        )  # fmt: skip
