@@ -127,8 +127,8 @@ class RoleConfig(_Section):
     model: str = "gpt-4o-mini"
     temperature: float = 0.0
     # The reply's cap; 0: derived from the schema's bounds (its worst case, so a bounded reply
-    # is never cut), 2048 for an unbounded schema. A reply cut at the cap is re-sent once with
-    # twice the cap (never the same request twice).
+    # is never cut), none sent for an unbounded schema (the endpoint's own limit). A reply cut
+    # at the cap is re-sent once with twice the cap (never the same request twice).
     max_tokens: Annotated[int, Meta(ge=0)] = 0
     api_key_env: str = "OPENAI_API_KEY"
     # json_schema: OpenAI / vLLM; json_object: llama.cpp (json_object + schema); text: parse.

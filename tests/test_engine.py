@@ -105,11 +105,13 @@ async def test_metrics_health_and_inspect(config: Config, unique: str) -> None:
     assert 'combee_llm_calls{role="reflector"} 20.0' in metrics
     # The simulator serves each prompt's prefix shared with a recent one from its cache: the
     # reflector prompts share their instructions, so part of every prompt after the first.
-    cached = re.search(r'combee_llm_tokens\{role="reflector",direction="cached"\} (\S+)', metrics)
-    sent = re.search(r'combee_llm_tokens\{role="reflector",direction="in"\} (\S+)', metrics)
-    assert cached is not None and sent is not None
+    cached = re.search(r'combee_llm_tokens\{direction="cached",role="reflector"\} (\S+)', metrics)
+    sent = re.search(r'combee_llm_tokens\{direction="in",role="reflector"\} (\S+)', metrics)
+    assert cached is not None and sent is not None, [
+        line for line in metrics.splitlines() if "combee_llm_tokens" in line
+    ]
     assert 0 < float(cached.group(1)) < float(sent.group(1))
-    assert 'combee_llm_bad_replies{role="reflector",kind="truncated"} 0.0' in metrics
+    assert 'combee_llm_bad_replies{kind="truncated",role="reflector"} 0.0' in metrics
     assert "combee_trace_to_publish_seconds_count 20.0" in metrics
 
     env = {**os.environ, **env_for(cfg)}

@@ -758,6 +758,8 @@ def test_max_tokens_is_derived_from_the_bounded_schema() -> None:
     assert 6 * 300 < derived < 2 * 6 * 300
     assert max_tokens_for(RoleConfig(max_tokens=77), schema) == 77
     assert schema_token_bound(output_schema(CuratorOutput)) is None  # unbounded strings
+    # No cap at all then: a fixed one would cut a hosted model's legitimately long reply.
+    assert max_tokens_for(RoleConfig(), output_schema(CuratorOutput)) is None
 
 
 async def test_cached_prompt_tokens_are_counted_from_the_simulator(clean_sim: SimServer) -> None:

@@ -44,7 +44,7 @@ RETRY_WARMING: Final = 0.3
 class Sampling(msgspec.Struct, frozen=True):
     temperature: float
     seed: int | None
-    max_tokens: int
+    max_tokens: int | None  # None: no cap sent (an unbounded schema)
 
 
 class Reply(msgspec.Struct, frozen=True):
@@ -124,7 +124,7 @@ class ChatCall(Generic[T]):
                 "llm.reply_cut", role=self._role, attempt=attempt, max_tokens=sampling.max_tokens
             )
             reason = f"reply cut at max_tokens={sampling.max_tokens}"
-            if self._widened:
+            if self._widened or sampling.max_tokens is None:  # None: the server's own limit
                 raise _GiveUp(reason)
             self._widened = True
             self._sampling = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens * 2)
@@ -162,7 +162,7 @@ class ChatCall(Generic[T]):
                 model=rc.model,
                 messages=cast("list[ChatCompletionMessageParam]", conversation),
                 temperature=sampling.temperature,
-                max_tokens=sampling.max_tokens,
+                max_tokens=sampling.max_tokens if sampling.max_tokens is not None else openai.omit,
                 seed=sampling.seed if sampling.seed is not None else openai.omit,
                 extra_body=extra_body,
                 timeout=self._timeout_s,

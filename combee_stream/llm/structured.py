@@ -73,8 +73,6 @@ def bound_schema(schema: Any, max_string_chars: int, max_list_items: int) -> Any
 # model stops early; it only bounds one that rambles.
 _CHARS_PER_TOKEN: Final = 1
 
-_DEFAULT_MAX_TOKENS: Final = 2048  # an unbounded schema's cap
-
 
 def schema_token_bound(schema: Any, defs: dict[str, Any] | None = None) -> int | None:
     """Tokens of the longest reply ``schema`` allows (keys, punctuation and values), or None
@@ -111,13 +109,13 @@ def schema_token_bound(schema: Any, defs: dict[str, Any] | None = None) -> int |
     return 8  # a number, a boolean, null
 
 
-def max_tokens_for(rc: RoleConfig, schema: dict[str, Any]) -> int:
+def max_tokens_for(rc: RoleConfig, schema: dict[str, Any]) -> int | None:
     """The cap a role's request gets: its ``max_tokens`` when set, else the worst case of its
-    (bounded) schema, else a default for unbounded schemas."""
+    (bounded) schema, else none (an unbounded schema: a hosted model stops at the end of its
+    JSON, and any fixed cap would cut a legitimately long reply)."""
     if rc.max_tokens:
         return rc.max_tokens
-    bound = schema_token_bound(schema)
-    return bound if bound is not None else _DEFAULT_MAX_TOKENS
+    return schema_token_bound(schema)
 
 
 def _refers_to(node: object, ref: str) -> bool:
