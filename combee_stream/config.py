@@ -116,7 +116,9 @@ class LocalLLMConfig(_Section):
     ctx_size: Positive = 32768  # tokens of KV cache, shared by the slots
     threads: Positive = 2
     seed: int = 42
-    state_dir: str = ".state/llm"  # the build, the models; relative to the working directory
+    # The models and server logs; relative to the working directory. (The llama-server build
+    # is in the user-level build cache, shared by every clone: combee_stream.buildcache.)
+    state_dir: str = ".state/llm"
     ready_timeout_s: PositiveFloat = 300.0
 
 

@@ -1,20 +1,20 @@
 """A real OpenTelemetry Collector for the tests: OTLP receiver, batch processor, Kafka exporter.
 
 The collector is the small Go program in ``tests/otelcol`` (core v0.165.0, contrib v0.165.1,
-pinned by its go.sum), built once from the Go module proxy into the state folder
-(``.state/otelcol``, ``make otelcol-prepare``) and rebuilt only when its sources change:
+pinned by its go.sum), built from the Go module proxy into the user-level build cache
+(combee_stream.buildcache, shared by every clone of the machine; ``make otelcol-prepare``) and
+rebuilt only when its stamp changes (a hash of go.mod, go.sum, main.go and the build flags):
 
-    otelcol-combee     the static binary
-    .stamp             a hash of go.mod, go.sum, main.go and the build flags
-    gopath/            GOPATH and module cache (kept, so a rebuild downloads nothing)
-    gocache/           Go's build cache
+    otelcol/KEY/otelcol-combee   the static binary (and .stamp)
+    otelcol/gopath/              GOPATH and module cache (kept, so a rebuild downloads nothing)
+    otelcol/gocache/             Go's build cache (kept, so a rebuild compiles only what changed)
 
 A first build on 2 cores takes a few minutes (downloads and compiles the whole collector); a
-no-op takes well under a second. ``run_collector`` starts the binary against a Kafka broker on
-free local ports; the ``otelcol_binary`` fixture hands the tests a built binary (skipped without
-Go, failed when CI=true).
+cache hit takes well under a second. ``run_collector`` starts the binary against a Kafka broker
+on free local ports; the ``otelcol_binary`` fixture hands the tests a built binary (waiting for
+a build in progress, building it when Go is there; skipped without Go, failed when CI=true).
 
-CLI: ``python tests/otel_support.py build [--state-dir DIR]``.
+CLI: ``python tests/otel_support.py build``.
 """
 
 from __future__ import annotations
@@ -38,9 +38,11 @@ from typing import Any, Final, Literal
 
 import pytest
 
+from combee_stream.buildcache import cache_root, cached, cached_build
+
 REPO: Final = Path(__file__).resolve().parent.parent
 SOURCE: Final = REPO / "tests" / "otelcol"
-STATE: Final = REPO / ".state" / "otelcol"
+CACHE_NAME: Final = "otelcol"
 BINARY_NAME: Final = "otelcol-combee"
 SOURCE_FILES: Final = ("go.mod", "go.sum", "main.go")
 # Static, reproducible, no VCS stamping (the sources sit in this repo's work tree), stripped.
@@ -59,10 +61,6 @@ class CollectorError(RuntimeError):
     """The collector could not be built or did not start; the message has Go's or its log."""
 
 
-def collector_binary(state_dir: Path = STATE) -> Path:
-    return state_dir / BINARY_NAME
-
-
 def source_stamp() -> str:
     """What a build is made of: the Go sources' hash and the build flags."""
     digest = hashlib.sha256()
@@ -71,47 +69,53 @@ def source_stamp() -> str:
     return f"sha256:{digest.hexdigest()}\n{' '.join(BUILD_FLAGS)}\n"
 
 
-def is_built(state_dir: Path = STATE) -> bool:
-    stamp = state_dir / ".stamp"
-    return (
-        collector_binary(state_dir).is_file()
-        and stamp.is_file()
-        and stamp.read_text() == source_stamp()
-    )
+def collector_binary() -> Path | None:
+    """The cached build of the current sources, or None."""
+    return cached(CACHE_NAME, source_stamp(), BINARY_NAME)
 
 
-def _go_env(state_dir: Path) -> dict[str, str]:
-    gopath = state_dir / "gopath"
+def is_built() -> bool:
+    return collector_binary() is not None
+
+
+def _go_env() -> dict[str, str]:
+    cache = cache_root() / CACHE_NAME
+    gopath = cache / "gopath"
     return {
         **os.environ,
         "GOPATH": str(gopath),
         "GOMODCACHE": str(gopath / "pkg" / "mod"),
-        "GOCACHE": str(state_dir / "gocache"),
-        # -modcacherw: the module cache stays deletable (`make clean` runs rm -rf .state).
+        "GOCACHE": str(cache / "gocache"),
+        # -modcacherw: the module cache stays deletable (rm -rf of the build cache).
         "GOFLAGS": "-mod=readonly -modcacherw",
         "GOTOOLCHAIN": "local",  # never fetch another Go toolchain: use the one on PATH
         "CGO_ENABLED": "0",
     }
 
 
-def build_collector(state_dir: Path = STATE, say: Say = print) -> Path:
-    """The built collector binary in ``state_dir`` (idempotent: rebuilt only when
-    ``tests/otelcol``'s sources or the build flags change). Raises CollectorError."""
-    binary = collector_binary(state_dir)
-    if is_built(state_dir):
-        return binary
+def build_collector(say: Say = print) -> Path:
+    """The built collector binary (idempotent: rebuilt only when ``tests/otelcol``'s sources
+    or the build flags change; a build running elsewhere is waited for). Raises
+    CollectorError."""
+    found = collector_binary()
+    if found is not None:
+        return found
     go = shutil.which("go")
     if go is None:
         raise CollectorError("building the OpenTelemetry Collector needs Go (`go` on PATH)")
-    state_dir.mkdir(parents=True, exist_ok=True)
-    env = _go_env(state_dir)
+    return cached_build(
+        CACHE_NAME, source_stamp(), BINARY_NAME, lambda into: _build(go, into / BINARY_NAME, say)
+    )
+
+
+def _build(go: str, binary: Path, say: Say) -> None:
+    env = _go_env()
     started = time.monotonic()
     say(f"building the OpenTelemetry Collector from {SOURCE.relative_to(REPO)} (a few min, once)")
     say("  resolving its Go packages (downloads modules from the Go module proxy once)")
     listed = _go([go, "list", "-deps", "."], env, "go list")
     total = max(1, len(listed.splitlines()))
-    partial = binary.with_name(binary.name + ".partial")
-    command = [go, "build", "-v", *BUILD_FLAGS, "-o", str(partial), "."]
+    command = [go, "build", "-v", *BUILD_FLAGS, "-o", str(binary), "."]
     tail: list[str] = []
     built = 0
     shown = -1
@@ -128,15 +132,11 @@ def build_collector(state_dir: Path = STATE, say: Say = print) -> Path:
                     shown = percent
                     say(f"  otelcol build {percent}% ({built}/{total} packages)")
     if process.returncode != 0:
-        partial.unlink(missing_ok=True)
         raise CollectorError(
             f"building the collector failed (exit {process.returncode}):\n" + "\n".join(tail)
         )
-    partial.replace(binary)
-    (state_dir / ".stamp").write_text(source_stamp())
     size_mb = binary.stat().st_size / 1e6
-    say(f"collector ready: {binary} ({size_mb:.0f} MB, {time.monotonic() - started:.0f} s)")
-    return binary
+    say(f"collector ready ({size_mb:.0f} MB, {time.monotonic() - started:.0f} s)")
 
 
 def _go(command: list[str], env: dict[str, str], what: str) -> str:
@@ -230,13 +230,12 @@ def run_collector(
 ) -> Iterator[RunningCollector]:
     """Run the collector against ``bootstrap`` until the block ends (SIGTERM, then kill).
 
-    ``binary`` defaults to the build in ``.state/otelcol`` (which must exist). Raises
+    ``binary`` defaults to the cached build (which must exist). Raises
     CollectorError when it exits or does not listen within READY_TIMEOUT_S; an error raised
     in the block gets the collector's log attached as a note."""
+    binary = binary or collector_binary()
     if binary is None:
-        if not is_built():
-            raise CollectorError(f"no current collector build in {STATE}: make otelcol-prepare")
-        binary = collector_binary()
+        raise CollectorError("no current collector build in the build cache: make otelcol-prepare")
     http_port, grpc_port = _free_port(), _free_port()
     with tempfile.TemporaryDirectory(prefix="otelcol-") as tmp:
         config_path = Path(tmp) / "config.yaml"
@@ -305,31 +304,24 @@ def _in_ci() -> bool:
 
 @pytest.fixture(scope="session")
 def otelcol_binary() -> Path:
-    """The built collector (built here when missing and Go is there: `make otelcol-prepare`
-    does it ahead). Without Go it skips the test locally and fails it when CI=true."""
-    if is_built():
-        return collector_binary()
-    reason = ""
-    if shutil.which("go") is None:
-        reason = f"no collector build in {STATE} and no Go to build it: install Go 1.26"
-    else:
-        try:
-            return build_collector(say=lambda line: print(line, file=sys.stderr))
-        except CollectorError as exc:
+    """The built collector (waited for while ``make otelcol-prepare`` builds it, built here
+    when missing and Go is there). Without Go it skips the test locally and fails it when
+    CI=true."""
+    try:
+        return build_collector(say=lambda line: print(line, file=sys.stderr))
+    except CollectorError as exc:
+        if shutil.which("go") is not None or _in_ci():
             pytest.fail(str(exc), pytrace=False)
-    if _in_ci():
-        pytest.fail(reason, pytrace=False)
-    pytest.skip(reason)
+        pytest.skip(f"no collector build in the build cache: {exc}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="otel_support", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    build = commands.add_parser("build", help="build the test collector once (a no-op if built)")
-    build.add_argument("--state-dir", type=Path, default=STATE)
-    args = parser.parse_args(argv)
+    commands.add_parser("build", help="build the test collector once (a no-op if built)")
+    parser.parse_args(argv)
     try:
-        binary = build_collector(args.state_dir.resolve())
+        binary = build_collector()
     except CollectorError as exc:
         print(exc, file=sys.stderr)
         return 1

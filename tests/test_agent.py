@@ -82,6 +82,7 @@ def test_a_trace_that_names_no_version_has_none() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.restarts_broker
 async def test_prompt_client_serves_the_snapshot_while_the_broker_is_down(
     config: Config, unique: str, tmp_path: Path, kafka_broker: BrokerConfig
 ) -> None:

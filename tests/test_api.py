@@ -70,7 +70,7 @@ PUBLIC_API = [
 # level, in a function, under TYPE_CHECKING.
 LAYERS: list[set[str]] = [
     {"errors"},
-    {"tokens", "retry", "logs"},
+    {"tokens", "retry", "logs", "buildcache"},
     {"schemas"},
     {"config"},
     {"http", "formats", "otel"},
@@ -91,6 +91,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "tokens": set(),
     "retry": set(),
     "logs": set(),
+    "buildcache": set(),  # the user-level cache of source builds (llama-server, the Collector)
     "schemas": {"errors"},
     "config": {"errors", "schemas"},
     "http": set(),

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 
 from combee_stream.bench.latency import latency_settings, run_latency
@@ -101,7 +102,9 @@ def test_scaling_quick_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_saturation_quick(config: Config) -> None:
-    settings = saturation_settings(quick=True)
+    # 5 traces per slot (quick: 20): the bounds below hold for a run of any length, and every
+    # configuration still has windows of all keys and a compression of its own.
+    settings = msgspec.structs.replace(saturation_settings(quick=True), traces_per_slot=5)
     report = await run_saturation(config, settings)
     assert report.suite == "saturation" and report.simulated
     assert [m.base_s for m in report.latency_model] == settings.latencies_s
@@ -124,7 +127,11 @@ async def test_saturation_quick(config: Config) -> None:
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_latency_quick(config: Config) -> None:
-    settings = latency_settings(quick=True)
+    # One rate and 30 model seconds of arrivals (quick: 2 rates, 90 s): 60 traces, 6 windows
+    # of 10 over 2 keys, in both modes; what is checked holds per trace and per version.
+    settings = msgspec.structs.replace(
+        latency_settings(quick=True), rates_per_s=[2.0], duration_s=30.0
+    )
     report = await run_latency(config, settings)
     assert report.suite == "latency" and report.simulated
     assert {(r.rate_per_s, r.mode) for r in report.results} == {
@@ -140,7 +147,13 @@ async def test_latency_quick(config: Config) -> None:
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_overhead_quick(config: Config) -> None:
-    settings = overhead_settings(quick=True)
+    # Backlogs of 320 and 1,280 (quick: 2,000 and 8,000) with engine.queue_size 500 (quick:
+    # 1,000): the larger one still exceeds the queue, so the engine's intake pauses partitions
+    # as in a real backlog; both are whole windows of every key (8 keys x batch 40), so no run
+    # ends waiting engine.max_wait_s for a partial one.
+    settings = msgspec.structs.replace(
+        overhead_settings(quick=True), backlogs=[320, 1_280], queue_size=500
+    )
     report = await run_overhead(config, settings)
     assert report.suite == "overhead" and report.simulated
     assert report.latency_model.base_s == 0

@@ -213,6 +213,7 @@ async def test_llm_faults_and_poison_records(config: Config, unique: str) -> Non
 
 
 @pytest.mark.anyio
+@pytest.mark.restarts_broker
 async def test_broker_restart_mid_stream(
     config: Config, unique: str, kafka_broker: BrokerConfig
 ) -> None:
@@ -342,6 +343,7 @@ def free_port() -> int:
 
 
 @pytest.mark.anyio
+@pytest.mark.restarts_broker
 async def test_broker_down_past_the_deadline_halts_and_commits_nothing_unpublished(
     config: Config, unique: str, tmp_path: Path, kafka_broker: BrokerConfig
 ) -> None:

@@ -17,8 +17,8 @@ still validated against the full types) and derives each request's ``max_tokens`
 a reply the grammar allows always fits.
 
 Needs the llama-server build and the model (``make llm-prepare``, i.e. ``combee-stream llm
-prepare --model smollm2-135m``): skipped without them, failed when CI=true. Run alone with
-``.venv/bin/pytest -m realmodel``.
+prepare --model smollm2-135m``; a build in progress is waited for): skipped without them,
+failed when CI=true. Run alone with ``.venv/bin/pytest -m realmodel``.
 """
 
 from __future__ import annotations
@@ -37,12 +37,13 @@ import anyio
 import msgspec
 import pytest
 
+from combee_stream.buildcache import wait_for_build
 from combee_stream.config import LearningConfig, LLMConfig
 from combee_stream.core.learner import Learner
 from combee_stream.core.playbook import new_playbook, render
 from combee_stream.core.results import WindowResult
 from combee_stream.llm import ChatMessage, Completion, LLMClient, RoleUsage
-from combee_stream.localllm.build import is_built
+from combee_stream.localllm.build import CACHE_NAME, is_built
 from combee_stream.localllm.server import LocalServer, local_llm_config
 from combee_stream.schemas import (
     Feedback,
@@ -79,8 +80,9 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def llama_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Base URL (without /v1) of ``combee-stream llm serve`` running SmolLM2 for this module."""
-    if not (is_built(STATE) and (STATE / "models" / f"{MODEL}.gguf").is_file()):
-        reason = f"no llama-server build or {MODEL} in {STATE}: run `make llm-prepare`"
+    wait_for_build(CACHE_NAME)  # `make test` builds it in the background meanwhile
+    if not (is_built() and (STATE / "models" / f"{MODEL}.gguf").is_file()):
+        reason = f"no llama-server build or no {MODEL} in {STATE}: run `make llm-prepare`"
         if _in_ci():
             pytest.fail(reason, pytrace=False)
         pytest.skip(reason)

@@ -3,14 +3,17 @@
 
 ``llama-server`` (not the Python server of llama-cpp-python) because it has parallel slots with
 continuous batching, so the engine's concurrent reflector and curator calls share the CPU
-instead of queueing one by one. Layout of ``STATE`` (``local_llm.state_dir``):
+instead of queueing one by one.
 
-    src/llama_cpp_python-VERSION/   the unpacked sdist (vendor/llama.cpp is what is built)
-    build/                          cmake's build tree
-    bin/llama-server                the binary; bin/.stamp names the sources and flags
+The binary is kept in the user-level build cache (combee_stream.buildcache), keyed by the
+stamp (the sdist's version and the cmake flags), so every clone and state folder of the machine
+shares one build; the sdist is kept beside it (``llama-server/sdist/``), and the sources are
+unpacked and compiled in a scratch folder removed afterwards. A build left in a state folder by
+an earlier version (``STATE/bin/llama-server`` with a matching ``.stamp``) is adopted, not
+rebuilt.
 
 The build is portable (no ``-march=native``): AVX2, FMA and F16C, which every x86-64 server of
-the last decade has, so a cached binary keeps working if the state folder moves to another CPU.
+the last decade has, so a cached binary keeps working if the cache moves to another CPU.
 About 3–5 minutes on 2 cores; progress is shown.
 """
 
@@ -23,11 +26,13 @@ import re
 import shutil
 import subprocess
 import tarfile
+import tempfile
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
+from combee_stream.buildcache import cache_root, cached, cached_build
 from combee_stream.errors import UserError
 
 SDIST: Final = "llama-cpp-python==0.3.36"
@@ -42,69 +47,83 @@ CMAKE_FLAGS: Final = (
     "-DGGML_F16C=ON",
 )
 STAMP: Final = f"{SDIST}\n{' '.join(CMAKE_FLAGS)}\n"
+CACHE_NAME: Final = "llama-server"
+BINARY: Final = "llama-server"
 _PROGRESS = re.compile(r"^\[\s*(\d+)%\]")
 
 Say = Callable[[str], None]
 
 
-def server_binary(state_dir: Path) -> Path:
-    return state_dir / "bin" / "llama-server"
+def server_binary() -> Path | None:
+    """The cached build of this STAMP, or None."""
+    return cached(CACHE_NAME, STAMP, BINARY)
 
 
-def is_built(state_dir: Path) -> bool:
-    stamp = state_dir / "bin" / ".stamp"
-    return server_binary(state_dir).is_file() and stamp.is_file() and stamp.read_text() == STAMP
+def is_built() -> bool:
+    return server_binary() is not None
 
 
 def ensure_llama_server(state_dir: Path, say: Say) -> Path:
-    """The built ``llama-server`` (idempotent: built once per state folder)."""
-    binary = server_binary(state_dir)
-    if is_built(state_dir):
-        return binary
+    """The built ``llama-server`` (idempotent: built once per machine and stamp; a build
+    running elsewhere is waited for)."""
+    found = server_binary()
+    if found is not None:
+        return found
+    legacy = state_dir / "bin"
+    if (legacy / BINARY).is_file() and _read(legacy / ".stamp") == STAMP:
+        return cached_build(
+            CACHE_NAME, STAMP, BINARY, lambda into: shutil.copy2(legacy / BINARY, into / BINARY)
+        )
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
             raise UserError(f"building llama-server needs {tool} (a C++ toolchain and cmake)")
+    return cached_build(CACHE_NAME, STAMP, BINARY, lambda into: _build(into, say))
+
+
+def _build(into: Path, say: Say) -> None:
     say(f"building llama.cpp's llama-server from the {SDIST} sdist (about 3-5 min, once)")
-    source = _unpacked_sdist(state_dir, say)
-    build = state_dir / "build"
-    _run(
-        ["cmake", "-S", str(source / "vendor" / "llama.cpp"), "-B", str(build), *CMAKE_FLAGS],
-        "cmake configure",
-    )
-    jobs = str(max(1, os.cpu_count() or 1))
-    command = ["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs]
-    with subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    ) as process:
-        assert process.stdout is not None
-        tail: list[str] = []
-        shown = -1
-        for line in process.stdout:
-            tail = [*tail[-40:], line.rstrip()]
-            found = _PROGRESS.match(line)
-            if found and int(found.group(1)) >= shown + 10:
-                shown = int(found.group(1))
-                say(f"  llama-server build {shown}%")
-    if process.returncode != 0:
-        raise UserError("building llama-server failed:\n" + "\n".join(tail))
-    built = build / "bin" / "llama-server"
-    binary.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(built, binary)
-    (binary.parent / ".stamp").write_text(STAMP)
-    say(f"llama-server ready: {binary}")
-    return binary
+    with tempfile.TemporaryDirectory(prefix="llama-build-", dir=into) as scratch:
+        work = Path(scratch)
+        source = _unpacked_sdist(work, cache_root() / CACHE_NAME / "sdist", say)
+        build = work / "build"
+        _run(
+            ["cmake", "-S", str(source / "vendor" / "llama.cpp"), "-B", str(build), *CMAKE_FLAGS],
+            "cmake configure",
+        )
+        jobs = str(max(1, os.cpu_count() or 1))
+        command = ["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs]
+        with subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        ) as process:
+            assert process.stdout is not None
+            tail: list[str] = []
+            shown = -1
+            for line in process.stdout:
+                tail = [*tail[-40:], line.rstrip()]
+                found = _PROGRESS.match(line)
+                if found and int(found.group(1)) >= shown + 10:
+                    shown = int(found.group(1))
+                    say(f"  llama-server build {shown}%")
+        if process.returncode != 0:
+            raise UserError("building llama-server failed:\n" + "\n".join(tail))
+        shutil.copy2(build / "bin" / "llama-server", into / BINARY)
+    say(f"llama-server ready: {into.name} in {cache_root() / CACHE_NAME}")
 
 
-def _unpacked_sdist(state_dir: Path, say: Say) -> Path:
-    src = state_dir / "src"
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _unpacked_sdist(work: Path, sdists: Path, say: Say) -> Path:
     project, version = SDIST.split("==")
-    unpacked = src / f"{project.replace('-', '_')}-{version}"
-    if (unpacked / "vendor" / "llama.cpp" / "CMakeLists.txt").is_file():
-        return unpacked
-    src.mkdir(parents=True, exist_ok=True)
-    archive_path = _fetch_sdist(project, version, src, say)
+    sdists.mkdir(parents=True, exist_ok=True)
+    archive_path = _fetch_sdist(project, version, sdists, say)
     with tarfile.open(archive_path) as archive:
-        archive.extractall(src, filter="data")
+        archive.extractall(work, filter="data")
+    unpacked = work / f"{project.replace('-', '_')}-{version}"
     if not (unpacked / "vendor" / "llama.cpp").is_dir():
         raise UserError(f"{archive_path.name} has no vendor/llama.cpp")
     return unpacked
