@@ -86,6 +86,7 @@ LAYERS: list[set[str]] = [
     {"__main__"},
 ]
 BASE = {"errors", "tokens", "retry", "logs", "schemas", "config"}
+
 MAY_IMPORT: dict[str, set[str]] = {
     "errors": set(),
     "tokens": set(),
@@ -110,7 +111,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "evaluation": BASE | {"kafka", "llm", "core", "tasks"},
     "wiring": BASE | {"kafka", "llm", "core", "engine", "offline", "evaluation"},
     "sim": BASE | {"http", "core", "tasks", "evaluation"},
-    "localllm": BASE,
+    "localllm": BASE | {"buildcache"},
     "combee_stream": BASE | {"formats", "kafka", "llm", "core", "evaluation", "wiring"},
     "bench": set().union(*LAYERS[:12]) - {"combee_stream"},
     "demo": set().union(*LAYERS[:12]) - {"combee_stream"},
