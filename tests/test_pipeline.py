@@ -36,7 +36,7 @@ from combee_stream.sim import (
     simulated_llm,
 )
 from combee_stream.sim.markers import retained_ids
-from combee_stream.wiring import build_learner
+from combee_stream.wiring import build_learner, load_prompts
 
 KEY = "sim-k0"
 
@@ -164,7 +164,7 @@ async def test_a_window_that_finishes_first_still_publishes_after_its_predecesso
     async with client() as llm:
         sink = MemorySink()
         cfg = config()
-        learner = SlowFirstWindow(llm, cfg.learning)
+        learner = SlowFirstWindow(llm, cfg.learning, prompts=load_prompts())
         batch = items(6)
         pipeline = KeyPipeline(
             KeyChain(KEY), learner, FixedBatch(3), sink, closed_inbox(batch), PIPELINED
@@ -238,7 +238,9 @@ async def test_failed_reflections_and_curations_are_parked_after_their_attempts(
     async with client() as llm:
         sink = MemorySink()
         # attempts = 2: the first window's curation fails twice (parked), the second's once.
-        learner = FlakyReflections(llm, config().learning, bad_trace=bad, curate_failures=3)
+        learner = FlakyReflections(
+            llm, config().learning, prompts=load_prompts(), bad_trace=bad, curate_failures=3
+        )
         pipeline = KeyPipeline(
             KeyChain(KEY), learner, FixedBatch(3), sink, closed_inbox(batch), SYNC
         )
@@ -276,7 +278,7 @@ async def test_a_commit_that_keeps_failing_parks_its_window_and_the_key_goes_on(
     async with client() as llm:
         sink = MemorySink()
         # attempts = 2: the first window's commit fails twice (parked), the second's not at all.
-        learner = FlakyCommits(llm, config().learning, failures=2)
+        learner = FlakyCommits(llm, config().learning, prompts=load_prompts(), failures=2)
         pipeline = KeyPipeline(
             KeyChain(KEY), learner, FixedBatch(3), sink, closed_inbox(batch), SYNC
         )

@@ -68,9 +68,13 @@ def evaluate(expression: str) -> float:
         raise
     except (SyntaxError, ArithmeticError, ValueError, TypeError, OverflowError) as exc:
         raise CalculatorError(f"{type(exc).__name__}: {exc}") from None
-    if isinstance(value, list) or not math.isfinite(float(value)):
-        raise CalculatorError(f"not a finite number: {value!r}")
-    return float(value)
+    try:  # an int beyond a float (a real model wrote 10 ** 400) is no answer either
+        number = None if isinstance(value, list) else float(value)
+    except OverflowError:
+        number = math.inf
+    if number is None or not math.isfinite(number):
+        raise CalculatorError(f"not a finite number: {str(value)[:40]!r}")
+    return number
 
 
 def _eval(node: ast.expr) -> Any:
