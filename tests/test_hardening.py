@@ -346,7 +346,9 @@ async def test_a_stuck_key_pauses_its_own_partition_only(config: Config, unique:
     slow_task = "Read the whole contract. " * 4000  # 100,000 characters: a slow prompt
     slow = [lesson_trace("slow-a", f"s{i}", f"s-l{i}", f"rule {i}", slow_task) for i in range(12)]
     fast = [lesson_trace("fast-b", f"f{i}", f"f-l{i}", f"rule {i} for b") for i in range(8)]
-    latency = LatencyModel(per_input_token_s=0.00016)  # about 4 s per slow reflection
+    # About 4 s per slow reflection: the task reaches the reflector cut at
+    # learning.max_task_chars (20,000 characters, some 5,000 tokens).
+    latency = LatencyModel(per_input_token_s=0.0008)
     async with sim_server(SimSettings(seed=1, latency=latency)) as llm:
         cfg = engine_config(config, unique, llm.base_url, batch_size=4)
         cfg = msgspec.structs.replace(
