@@ -537,10 +537,19 @@ async def test_a_killed_ingest_stage_loses_and_duplicates_no_trace(
             await anyio.sleep(rng.uniform(0.5, 2.0))
             kill(proc)
             proc = spawn_ingest(cfg, log_path)
-            await wait_for_traces(cfg, len(runs), 180)
-            # Everything read is done only once every trace was written or dead-lettered: a
-            # span read again and taken for a new trace would hold its offset open.
-            await wait_fully_committed(cfg, 60)
+            try:
+                await wait_for_traces(cfg, len(runs), 180)
+                # Everything read is done only once every trace was written or dead-lettered:
+                # a span read again and taken for a new trace would hold its offset open.
+                await wait_fully_committed(cfg, 60)
+            except TimeoutError:
+                got = Counter(t.trace_id for t in await written_traces(cfg))
+                missing = [run.trace_id for run in runs if run.trace_id not in got]
+                raise AssertionError(
+                    f"{len(got)} of {len(runs)} traces written, missing {missing}; "
+                    f"dead letters {len(await dead_letters(cfg))}\n"
+                    + log_path.read_text()[-6000:]
+                ) from None
             traces = await written_traces(cfg)
         finally:
             kill(proc, signal.SIGTERM)
