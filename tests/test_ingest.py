@@ -547,8 +547,7 @@ async def test_a_killed_ingest_stage_loses_and_duplicates_no_trace(
                 missing = [run.trace_id for run in runs if run.trace_id not in got]
                 raise AssertionError(
                     f"{len(got)} of {len(runs)} traces written, missing {missing}; "
-                    f"dead letters {len(await dead_letters(cfg))}\n"
-                    + log_path.read_text()[-6000:]
+                    f"dead letters {len(await dead_letters(cfg))}\n" + log_path.read_text()[-6000:]
                 ) from None
             traces = await written_traces(cfg)
         finally:
