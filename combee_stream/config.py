@@ -120,6 +120,13 @@ class LocalLLMConfig(_Section):
     # is in the user-level build cache, shared by every clone: combee_stream.buildcache.)
     state_dir: str = ".state/llm"
     ready_timeout_s: PositiveFloat = 300.0
+    # Semantic dedup of bullets (llm.embeddings) by a local embedding model, all-MiniLM-L6-v2
+    # run in NumPy, served beside the chat model when NumPy, tokenizers and safetensors are
+    # installed (the `local` extra). Its cosine scale is not OpenAI's: paraphrased rules score
+    # about 0.6-0.85 with it, unrelated ones under 0.4, so its threshold is its own.
+    embeddings: bool = True
+    embeddings_port: Port = 8081
+    embeddings_threshold: Annotated[float, Meta(gt=0, le=1)] = 0.8
 
 
 class RoleConfig(_Section):

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Mutab
 from typing import Any
 
 import anyio
+import msgspec
 import uvicorn
 from prometheus_client import CollectorRegistry, make_asgi_app
 
@@ -72,6 +73,13 @@ def bind(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, for a child process to bind (it may be taken meanwhile: loopback only)."""
+    with contextlib.closing(bind(host, 0)) as sock:
+        port: int = sock.getsockname()[1]
+        return port
 
 
 @contextlib.asynccontextmanager
@@ -163,4 +171,47 @@ async def _plain(send: Send, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-__all__ = ["Health", "HttpServer", "Receive", "Scope", "Send", "bind", "health_app", "serve_asgi"]
+async def send_json(
+    send: Send, status: int, payload: Any, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    """One JSON response of an ASGI app."""
+    body = msgspec.json.encode(payload)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or []),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def read_body(receive: Receive) -> bytes:
+    """An ASGI request's whole body (what arrived, if the client went away)."""
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return b"".join(chunks)
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+__all__ = [
+    "Health",
+    "HttpServer",
+    "Receive",
+    "Scope",
+    "Send",
+    "bind",
+    "free_port",
+    "health_app",
+    "read_body",
+    "send_json",
+    "serve_asgi",
+]

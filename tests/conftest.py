@@ -95,9 +95,10 @@ def unique() -> str:
 
 
 # Fixtures that hand out a source build (otel_support.otelcol_binary, test_real_model's
-# llama_url): their tests are marked ``build`` and run last, so that `make test` can run every
-# other test while it builds them in the background (tests/timed_run.py).
-BUILD_FIXTURES = frozenset({"otelcol_binary", "llama_url"})
+# llama_url, test_local_embeddings' minilm_dir, which `make llm-prepare` fetches): their tests
+# are marked ``build`` and run last, so that `make test` can run every other test while it
+# builds them in the background (tests/timed_run.py).
+BUILD_FIXTURES = frozenset({"otelcol_binary", "llama_url", "minilm_dir"})
 
 
 def _order(item: pytest.Item) -> int:

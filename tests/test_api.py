@@ -70,7 +70,7 @@ PUBLIC_API = [
 # level, in a function, under TYPE_CHECKING.
 LAYERS: list[set[str]] = [
     {"errors"},
-    {"tokens", "retry", "logs", "buildcache"},
+    {"tokens", "retry", "logs", "buildcache", "progress"},
     {"schemas"},
     {"config"},
     {"http", "formats", "otel"},
@@ -92,6 +92,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "tokens": set(),
     "retry": set(),
     "logs": set(),
+    "progress": set(),  # a phase's progress on stderr (learn, bench quality)
     "buildcache": set(),  # the user-level cache of source builds (llama-server, the Collector)
     "schemas": {"errors"},
     "config": {"errors", "schemas"},
@@ -102,7 +103,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "llm": BASE,  # no Kafka
     "core": BASE | {"llm"},  # the learning core: no Kafka, no formats, no agent
     "engine": BASE | {"http", "formats", "kafka", "llm", "core"},
-    "offline": BASE | {"formats", "llm", "core"},
+    "offline": BASE | {"formats", "llm", "core", "progress"},
     "ingest": BASE | {"http", "formats", "kafka"},  # telemetry in, traces out: no learning
     "prompts_cli": BASE | {"kafka", "core"},
     "schema_cli": BASE,
@@ -111,7 +112,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "evaluation": BASE | {"kafka", "llm", "core", "tasks"},
     "wiring": BASE | {"kafka", "llm", "core", "engine", "offline", "evaluation"},
     "sim": BASE | {"http", "core", "tasks", "evaluation"},
-    "localllm": BASE | {"buildcache"},
+    "localllm": BASE | {"buildcache", "http"},
     "combee_stream": BASE | {"formats", "kafka", "llm", "core", "evaluation", "wiring"},
     "bench": set().union(*LAYERS[:12]) - {"combee_stream"},
     "demo": set().union(*LAYERS[:12]) - {"combee_stream"},

@@ -32,6 +32,7 @@ from combee_stream.bench.report import describe_latency
 from combee_stream.bench.vclock import VirtualClockLoop
 from combee_stream.config import Config, LLMConfig
 from combee_stream.errors import UserError
+from combee_stream.http import free_port
 from combee_stream.logs import configure_logging
 
 SUITES = ("scaling", "saturation", "overhead", "latency", "ingest", "gate", "keys", "quality")
@@ -210,7 +211,7 @@ async def _quality(config: Config, args: argparse.Namespace, quick: bool) -> qua
     work = args.work or (args.out / "quality-work" if args.out else Path(".state/bench-quality"))
     if args.local is None:
         return await quality.run_quality(config, _named(settings, config.llm), work)
-    cfg = msgspec.structs.replace(config.local_llm, model=args.local, port=_free_port())
+    cfg = msgspec.structs.replace(config.local_llm, model=args.local, port=free_port())
     async with local_model(cfg) as server:
         local = local_llm_config(server, config.llm)
         # A role the config points at an endpoint of its own keeps it (a stronger reflector
@@ -231,16 +232,13 @@ def _named(settings: quality.QualitySettings, llm: LLMConfig) -> quality.Quality
         role: f"{getattr(llm, role).model} at {getattr(llm, role).base_url}"
         for role in quality.ROLES
     }
+    e = llm.embeddings
+    endpoints["embeddings"] = (
+        f"{e.model} at {e.base_url or 'OPENAI_BASE_URL'}, dedup at cosine {e.threshold:g}"
+        if e.enabled
+        else "off (no semantic dedup)"
+    )
     return msgspec.structs.replace(settings, endpoints=endpoints)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def handle(args: argparse.Namespace, config: Config) -> int:

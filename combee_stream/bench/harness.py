@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import socket
 import sys
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -21,6 +20,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from combee_stream.config import Config, KafkaConfig
 from combee_stream.errors import UserError
+from combee_stream.http import free_port
 from combee_stream.kafka.broker import start_broker
 from combee_stream.kafka.client import client_kwargs
 from combee_stream.kafka.reader import read_updates as read_topic_updates
@@ -103,13 +103,6 @@ async def running_engine(
         await client.aclose()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @contextlib.asynccontextmanager
 async def sim_process(settings: SimSettings) -> AsyncIterator[str]:
     """The simulator served over HTTP by its own process (``combee-stream sim llm-server``), so
@@ -124,7 +117,7 @@ async def sim_process(settings: SimSettings) -> AsyncIterator[str]:
         "sim",
         "llm-server",
         "--port",
-        str(_free_port()),
+        str(free_port()),
         "--seed",
         str(settings.seed),
         "--latency-base",

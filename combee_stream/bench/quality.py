@@ -43,7 +43,6 @@ from msgspec import Struct
 
 from combee_stream.agent.prompts import Prompt
 from combee_stream.agent.recorder import RunRecorder
-from combee_stream.bench.progress import PhaseProgress
 from combee_stream.bench.report import Target, document, table
 from combee_stream.config import Config
 from combee_stream.core.playbook import render
@@ -53,6 +52,7 @@ from combee_stream.evaluation.stats import Paired
 from combee_stream.llm import LLMCallError, LLMClient
 from combee_stream.offline import LearnReport
 from combee_stream.offline.store import OutputDir
+from combee_stream.progress import PhaseProgress
 from combee_stream.schemas import Playbook, PromptUpdate, Trace, decode, encode
 from combee_stream.tasks import KEY, Task, load_tasks, task_feedback
 from combee_stream.wiring import run_learn

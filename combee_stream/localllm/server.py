@@ -2,8 +2,11 @@
 
 ``async with local_model(cfg) as server:`` builds the server and assembles the model if needed
 (once), starts ``llama-server`` as a child process (it dies with its parent, even on SIGKILL),
-waits until ``/health`` says the model is loaded, and yields its OpenAI base URL. The process is
-stopped on exit, whatever happened.
+waits until ``/health`` says the model is loaded, and yields its OpenAI base URL. Beside it, when
+``local_llm.embeddings`` is on and the NumPy encoder's packages are installed, the embedding
+model's ``/v1/embeddings`` (:mod:`~combee_stream.localllm.embedder`, a child process too), so
+:func:`local_llm_config` turns semantic dedup on in every driver. The processes are stopped on
+exit, whatever happened.
 
 Structured output: ``llama-server`` constrains replies by a grammar derived from a JSON Schema
 given as ``response_format = {"type": "json_object", "schema": ...}``, which is the LLM layer's
@@ -25,10 +28,12 @@ import httpx2
 import msgspec
 from msgspec import Struct
 
-from combee_stream.config import LLMConfig, LocalLLMConfig, RoleConfig
+from combee_stream.config import EmbeddingsConfig, LLMConfig, LocalLLMConfig, RoleConfig
 from combee_stream.errors import UserError
+from combee_stream.http import free_port
+from combee_stream.localllm import minilm
 from combee_stream.localllm.build import ensure_llama_server
-from combee_stream.localllm.models import ensure_model, model_spec
+from combee_stream.localllm.models import EMBEDDER, ensure_embedder, ensure_model, model_spec
 from combee_stream.logs import get_logger
 
 log = get_logger(__name__)
@@ -41,6 +46,9 @@ class LocalServer(Struct, frozen=True):
     base_url: str  # ends in /v1
     log_path: str
     parallel: int
+    embeddings_url: str = ""  # the embedding model's base URL (ends in /v1); "" when not served
+    embeddings_model: str = ""
+    embeddings_threshold: float = 0.8
 
 
 def role_config(server: LocalServer, **overrides: object) -> RoleConfig:
@@ -73,18 +81,38 @@ def local_llm_config(server: LocalServer, llm: LLMConfig | None = None) -> LLMCo
         combiner=role_config(server, max_string_chars=300, max_list_items=8),
         agent=role_config(server, max_string_chars=400, max_list_items=6),
         judge=role_config(server, max_string_chars=300, max_list_items=4),
+        embeddings=(
+            EmbeddingsConfig(
+                enabled=True,
+                base_url=server.embeddings_url,
+                model=server.embeddings_model,
+                threshold=server.embeddings_threshold,
+            )
+            if server.embeddings_url
+            else llm.embeddings
+        ),
         concurrency=server.parallel,
         timeout_s=max(llm.timeout_s, 900.0),
         max_attempts=3,
     )
 
 
-def prepare(cfg: LocalLLMConfig, say: Say) -> tuple[Path, Path]:
-    """Build the server and assemble the model if needed; (binary, model file)."""
+def prepare(cfg: LocalLLMConfig, say: Say) -> tuple[Path, Path, Path | None]:
+    """Build the server and assemble the models if needed: (binary, model file, the embedding
+    model's folder or None when embeddings are off or their packages are not installed)."""
     state = Path(cfg.state_dir)
     binary = ensure_llama_server(state, say)
     model = ensure_model(model_spec(cfg.model), state, say)
-    return binary, model
+    embedder = None
+    if cfg.embeddings:
+        if minilm.available():
+            embedder = ensure_embedder(state, say)
+        else:
+            say(
+                "semantic dedup off: the local embedding model needs numpy, tokenizers and "
+                "safetensors (pip install 'combee-stream[local]')"
+            )
+    return binary, model, embedder
 
 
 def _die_with_parent() -> None:
@@ -99,10 +127,9 @@ async def local_model(
     cfg: LocalLLMConfig, *, say: Say | None = None, port: int | None = None
 ) -> AsyncIterator[LocalServer]:
     say = say or (lambda message: log.info(message))
-    binary, model = await anyio.to_thread.run_sync(prepare, cfg, say)
+    binary, model, embedder = await anyio.to_thread.run_sync(prepare, cfg, say)
     port = cfg.port if port is None else port
     state = Path(cfg.state_dir)
-    log_path = state / f"llama-server-{port}.log"
     command = [
         str(binary),
         "--model", str(model),
@@ -117,6 +144,41 @@ async def local_model(
         "--seed", str(cfg.seed),
     ]  # fmt: skip
     root = f"http://{cfg.host}:{port}"
+    async with contextlib.AsyncExitStack() as stack:
+        say(f"starting llama-server ({cfg.model}, {cfg.parallel} slots) on {root}")
+        log_path = state / f"llama-server-{port}.log"
+        await stack.enter_async_context(_child("llama-server", command, root, log_path, cfg))
+        server = LocalServer(
+            model=cfg.model, base_url=f"{root}/v1", log_path=str(log_path), parallel=cfg.parallel
+        )
+        if embedder is not None:
+            # A port of its own per run, unless this is `llm serve` on its configured port.
+            eport = cfg.embeddings_port if port == cfg.port else free_port(cfg.host)
+            eroot = f"http://{cfg.host}:{eport}"
+            ecommand = [
+                sys.executable, "-m", "combee_stream.localllm.embedder",
+                "--model-dir", str(embedder), "--model", EMBEDDER.name,
+                "--host", cfg.host, "--port", str(eport),
+            ]  # fmt: skip
+            elog = state / f"embedder-{eport}.log"
+            await stack.enter_async_context(_child("the embedder", ecommand, eroot, elog, cfg))
+            server = msgspec.structs.replace(
+                server,
+                embeddings_url=f"{eroot}/v1",
+                embeddings_model=EMBEDDER.name,
+                embeddings_threshold=cfg.embeddings_threshold,
+            )
+            say(f"embedding model ({EMBEDDER.name}) ready at {server.embeddings_url}")
+        say(f"local model ready at {server.base_url}")
+        yield server
+
+
+@contextlib.asynccontextmanager
+async def _child(
+    name: str, command: list[str], root: str, log_path: Path, cfg: LocalLLMConfig
+) -> AsyncIterator[None]:
+    """``command`` as a child process until the block ends, ready once ``root/health`` says
+    200; it dies with us (PR_SET_PDEATHSIG) and is stopped on exit, whatever happened."""
     with log_path.open("wb") as out:
         # Popen, not anyio.open_process: the child must die with us (preexec_fn).
         process = subprocess.Popen(  # noqa: ASYNC220 - Popen returns at once
@@ -127,35 +189,28 @@ async def local_model(
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
     try:
-        say(f"starting llama-server ({cfg.model}, {cfg.parallel} slots) on {root}")
-        await _until_ready(process, root, cfg.ready_timeout_s, log_path)
-        server = LocalServer(
-            model=cfg.model, base_url=f"{root}/v1", log_path=str(log_path), parallel=cfg.parallel
-        )
-        say(f"local model ready at {server.base_url}")
-        yield server
+        await _until_ready(name, process, root, cfg.ready_timeout_s, log_path)
+        yield
     finally:
         with anyio.CancelScope(shield=True):
             await _stop(process)
 
 
 async def _until_ready(
-    process: subprocess.Popen[bytes], root: str, limit_s: float, log_path: Path
+    name: str, process: subprocess.Popen[bytes], root: str, limit_s: float, log_path: Path
 ) -> None:
     async with httpx2.AsyncClient(timeout=2.0) as http:
         with anyio.move_on_after(limit_s):
             while True:
                 if process.poll() is not None:
-                    raise UserError(
-                        f"llama-server exited with {process.returncode}:\n{_tail(log_path)}"
-                    )
+                    raise UserError(f"{name} exited with {process.returncode}:\n{_tail(log_path)}")
                 try:
                     if (await http.get(f"{root}/health")).status_code == 200:
                         return
                 except httpx2.TransportError:
                     pass
                 await anyio.sleep(0.25)
-    raise UserError(f"llama-server not ready after {limit_s:g} s:\n{_tail(log_path)}")
+    raise UserError(f"{name} not ready after {limit_s:g} s:\n{_tail(log_path)}")
 
 
 async def _stop(process: subprocess.Popen[bytes]) -> None:

@@ -46,6 +46,7 @@ from combee_stream.formats import trace_format
 from combee_stream.llm import LLMClient, RoleUsage
 from combee_stream.offline.source import BadLine, read_traces
 from combee_stream.offline.store import History, OutputDir
+from combee_stream.progress import PhaseProgress
 from combee_stream.schemas import Playbook, PromptUpdate, Source, Trace
 
 _SHOWN_BAD_LINES: Final = 20
@@ -92,36 +93,6 @@ class LearnReport(Struct, kw_only=True):
     prompts_version: str = PROMPTS_VERSION
 
 
-class Progress:
-    """A one-line progress bar on stderr, only when stderr is a terminal."""
-
-    def __init__(self, total: int, stream: TextIO) -> None:
-        self.total = total
-        self.done = 0
-        self.windows = 0
-        self._stream = stream
-        self._on = stream.isatty()
-
-    def advance(self, learned: int, key: str, version: int) -> None:
-        self.done += learned
-        self.windows += 1
-        if not self._on:
-            return
-        width = 30
-        filled = width * self.done // self.total if self.total else width
-        bar = "#" * filled + "." * (width - filled)
-        self._stream.write(
-            f"\rlearn [{bar}] {self.done}/{self.total} traces, {self.windows} windows"
-            f" ({key} v{version})\x1b[K"
-        )
-        self._stream.flush()
-
-    def close(self) -> None:
-        if self._on:
-            self._stream.write("\n")
-            self._stream.flush()
-
-
 class FileSink:
     """The pipelines' sink offline: every version to ``history.jsonl``, failures to the report."""
 
@@ -129,7 +100,7 @@ class FileSink:
         self,
         out: OutputDir,
         report: LearnReport,
-        progress: Progress,
+        progress: PhaseProgress,
         playbooks: dict[str, Playbook],
         attempts: int,
     ) -> None:
@@ -153,7 +124,7 @@ class FileSink:
             report.max_curator_items = max(report.max_curator_items, stats.max_curator_items)
             report.rounds += stats.rounds
         self.chosen_sizes.append(update.stats.batch_size)
-        self._progress.advance(update.stats.window_traces, update.key, update.version)
+        self._progress.advance(update.stats.window_traces)
         return True
 
     async def park(
@@ -280,27 +251,27 @@ async def run_learn(
         seed=learning.seed,
     )
     client = LLMClient(llm_config, env=env)
-    progress = Progress(sum(len(v) for v in by_key.values()), stderr)
+    progress = PhaseProgress("learn", sum(len(v) for v in by_key.values()), stream=stderr)
     sink = FileSink(out, report, progress, history.playbooks, learning.max_attempts)
     try:
-        learner = make_learner(config, client)
-        settings = offline_settings(config)
-        async with anyio.create_task_group() as tg:
-            for key, items in by_key.items():
-                chain = KeyChain(key, newest=history.newest.get(key))
-                policy = batch_policy(learning, key=key)
-                pipeline = KeyPipeline(
-                    chain,
-                    learner,
-                    policy,
-                    sink,
-                    closed_inbox(items),
-                    settings,
-                )
-                tg.start_soon(pipeline.run)
-        report.complete = True
+        with progress:
+            learner = make_learner(config, client)
+            settings = offline_settings(config)
+            async with anyio.create_task_group() as tg:
+                for key, items in by_key.items():
+                    chain = KeyChain(key, newest=history.newest.get(key))
+                    policy = batch_policy(learning, key=key)
+                    pipeline = KeyPipeline(
+                        chain,
+                        learner,
+                        policy,
+                        sink,
+                        closed_inbox(items),
+                        settings,
+                    )
+                    tg.start_soon(pipeline.run)
+            report.complete = True
     finally:
-        progress.close()
         usage = client.usage()
         await client.aclose()
         playbooks = sink.playbooks
@@ -325,7 +296,6 @@ __all__ = [
     "FailedTraceReport",
     "FileSink",
     "LearnReport",
-    "Progress",
     "offline_settings",
     "run_learn",
 ]

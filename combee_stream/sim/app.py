@@ -11,22 +11,17 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import anyio
 import msgspec
 
+from combee_stream.http import Receive, Scope, Send, read_body, send_json
 from combee_stream.sim.embed import DIMENSIONS, embed, to_base64
 from combee_stream.sim.faults import HTTP_FAULTS, decide_fault, malformed, schema_violation, unit
 from combee_stream.sim.roles import identify_role, respond
 from combee_stream.sim.settings import SimSettings, count_tokens
 from combee_stream.sim.stats import SimStats
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 CHAT_MODEL = "sim-llm"
 EMBEDDING_MODEL = "sim-embed"
@@ -44,35 +39,6 @@ class _BadRequest(Exception):
 
 def _error(message: str, type_: str, param: str | None = None, code: str | None = None) -> Any:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-async def _send_json(
-    send: Send, status: int, payload: Any, headers: list[tuple[bytes, bytes]] | None = None
-) -> None:
-    body = msgspec.json.encode(payload)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                *(headers or []),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _read_body(receive: Receive) -> bytes:
-    chunks: list[bytes] = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return b"".join(chunks)
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks)
 
 
 async def _hold(receive: Receive, seconds: float) -> bool:
@@ -215,31 +181,31 @@ class SimApp:
             given = dict(scope.get("headers") or []).get(b"authorization", b"").decode()
             if given != f"Bearer {key}":
                 message = "Incorrect API key provided (simulated)."
-                await _send_json(send, 401, _error(message, "invalid_request_error"))
+                await send_json(send, 401, _error(message, "invalid_request_error"))
                 return
         try:
             match route:
                 case ("POST", "/v1/chat/completions"):
-                    await self._chat(await _read_body(receive), receive, send)
+                    await self._chat(await read_body(receive), receive, send)
                 case ("POST", "/v1/embeddings"):
-                    await self._embeddings(await _read_body(receive), receive, send)
+                    await self._embeddings(await read_body(receive), receive, send)
                 case ("GET", "/v1/models"):
-                    await _send_json(send, 200, self._models(self.settings.models))
+                    await send_json(send, 200, self._models(self.settings.models))
                 case ("GET", "/health"):
-                    await _send_json(send, 200, {"status": "ok", "simulated": True})
+                    await send_json(send, 200, {"status": "ok", "simulated": True})
                 case ("GET", "/sim/stats"):
-                    await _send_json(send, 200, self.stats())
+                    await send_json(send, 200, self.stats())
                 case ("POST", "/sim/reset"):
                     self.reset()
-                    await _send_json(send, 200, {"reset": True})
+                    await send_json(send, 200, {"reset": True})
                 case _:
                     status = 405 if route[1] in _KNOWN_PATHS else 404
                     text = "unknown route" if status == 404 else "method not allowed"
                     message = f"{text}: {route[0]} {route[1]}"
-                    await _send_json(send, status, _error(message, "invalid_request_error"))
+                    await send_json(send, status, _error(message, "invalid_request_error"))
         except _BadRequest as exc:
             self._stats.bad_requests += 1
-            await _send_json(send, 400, _error(exc.message, "invalid_request_error", exc.param))
+            await send_json(send, 400, _error(exc.message, "invalid_request_error", exc.param))
 
     @staticmethod
     def _models(served: tuple[str, ...] | None) -> Any:
@@ -257,9 +223,7 @@ class SimApp:
         if served is None or model in served:
             return True
         message = f"The model `{model}` does not exist or you do not have access to it."
-        await _send_json(
-            send, 404, _error(message, "invalid_request_error", code="model_not_found")
-        )
+        await send_json(send, 404, _error(message, "invalid_request_error", code="model_not_found"))
         return False
 
     def _prompt_cache(self, prompt: str) -> int:
@@ -283,9 +247,9 @@ class SimApp:
             ]
             message = "Simulated rate limit reached; retry after the Retry-After delay."
             payload = _error(message, "rate_limit_error", code="rate_limit_exceeded")
-            await _send_json(send, 429, payload, headers)
+            await send_json(send, 429, payload, headers)
         else:
-            await _send_json(send, 500, _error("Simulated internal server error.", "server_error"))
+            await send_json(send, 500, _error("Simulated internal server error.", "server_error"))
 
     async def _chat(self, body: bytes, receive: Receive, send: Send) -> None:
         request = _parse_object(body)
@@ -347,7 +311,7 @@ class SimApp:
         if not await _hold(receive, delay):
             stats.role(role).disconnected += 1
             return
-        await _send_json(
+        await send_json(
             send,
             200,
             {
@@ -410,7 +374,7 @@ class SimApp:
             vector = embed(text, dimensions)
             encoded: Any = to_base64(vector) if as_base64 else vector
             data.append({"object": "embedding", "index": index, "embedding": encoded})
-        await _send_json(
+        await send_json(
             send,
             200,
             {

@@ -1,5 +1,6 @@
-"""Progress of a long benchmark phase (``bench quality`` runs for an hour on 2 cores): items
-done, rate, ETA and the endpoint's output tokens per second. A rich bar on a terminal; in a
+"""Progress of a long phase (``bench quality`` runs for an hour on 2 cores, ``learn`` over a
+big file for minutes): items done, rate, ETA and, when the caller counts them, the endpoint's
+output tokens per second. A rich bar on a terminal; in a
 log (a ``nohup`` run) one plain line every tenth of the phase or every minute, whichever comes
 first, so a background run says where it is."""
 
@@ -83,7 +84,8 @@ class PhaseProgress:
     def _rate(self) -> str:
         elapsed = max(time.monotonic() - self._started, 1e-9)
         items = (self.done - self._resumed) / elapsed * 60
-        return f"{items:.1f}/min, {self._tokens / elapsed:.1f} tok/s out"
+        tokens = f", {self._tokens / elapsed:.1f} tok/s out" if self._tokens else ""
+        return f"{items:.1f}/min{tokens}"
 
     def _line(self, *, force: bool = False) -> None:
         now = time.monotonic()
