@@ -399,8 +399,9 @@ class GateConfig(_Section):
     # window is never tested mostly on tasks it brought itself (10 of the default 50).
     holdout_per_window: Positive = 10
     regression_size: Annotated[int, Meta(ge=0)] = 20  # tasks a refused candidate broke, kept
-    # Below this many held-out tasks the gate cannot judge, and refuses: nothing unverified
-    # is published (its traces are learned-and-rejected, as for any refusal).
+    # Below this many held-out tasks the gate cannot judge, and defers: nothing unverified is
+    # published, and the window's lessons wait (Holdout.pending, carried with the versions) to
+    # be reviewed with the next window's candidate, rather than being thrown away.
     min_samples: Positive = 20
     # Non-inferiority: accept when the lower bound of the paired difference in accuracy
     # (candidate - current) at this one-sided confidence is above -margin (the statistic is in

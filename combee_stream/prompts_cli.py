@@ -218,6 +218,8 @@ def _notes(u: PromptUpdate) -> str:
             notes.append(f"left out {len(g.pruned)} new bullet(s) cited on wrong answers")
     if st.held_out:
         notes.append(f"{len(st.held_out)} held out")
+    if st.deferred:
+        notes.append(f"{st.deferred} operation(s) wait for the gate (too few held-out tasks)")
     if st.consolidated is not None:
         c = st.consolidated
         notes.append(

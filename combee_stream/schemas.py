@@ -257,11 +257,16 @@ class HeldOutTask(Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Holdout(Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """A key's held-out tasks, carried by each of its versions (so restore and scale-out keep
-    them): a bottom-k sample of its held-out traces, and the tasks refused candidates broke."""
+    """The replay gate's state of a key, carried by each of its versions (so restore and
+    scale-out keep it): a bottom-k sample of its held-out traces, the tasks refused candidates
+    broke, and the operations that wait for a review."""
 
     tasks: list[HeldOutTask] = []
     regressions: list[HeldOutTask] = []
+    # Operations of windows the gate could not judge yet (fewer than gate.min_samples held-out
+    # tasks): reviewed, and applied or refused, with the next window's candidate. Their traces
+    # are learned; their lessons wait here, never served before a review passes.
+    pending: list[Operation] = []
 
 
 class GateReport(Struct, frozen=True, forbid_unknown_fields=True):
@@ -335,6 +340,9 @@ class UpdateStats(Struct, forbid_unknown_fields=True, omit_defaults=True):
     # versions had added is gone from the prompt; their traces stay learned, not re-learned.
     reverted_to: int | None = None
     consolidated: Consolidation | None = None  # the playbook was consolidated first
+    # Operations waiting for the replay gate after this version (``holdout.pending``): the
+    # gate could not judge yet, so the window's lessons wait for the next review.
+    deferred: NonNegative = 0
 
 
 class PromptUpdate(_Record, omit_defaults=True):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import anyio
+import msgspec
 import pytest
 
 from combee_stream.config import LearningConfig
@@ -156,6 +157,32 @@ def test_a_refused_candidate_keeps_nothing_of_its_window_but_its_provenance() ->
     assert result.rejection == GateRejection(gate="recording", reason="worse on held-out tasks")
     assert bullets(result.playbook) == [] and result.delta.tags == []
     assert result.learned == SOURCES and result.playbook.version == 1
+
+
+def test_a_gate_that_cannot_judge_yet_defers_and_the_next_window_is_reviewed_with_it() -> None:
+    wait = Verdict(accepted=False, reason="3 held-out task(s)", deferred=True)
+    gate = Recording(wait)
+
+    async def main() -> tuple[WindowResult, WindowResult]:
+        first = await committed(["round to the decimals asked"], gate)
+        ladder = Commit(
+            msgspec.structs.replace(proposal("write percentages as fractions"), snapshot_version=1),
+            first.playbook, learning=LearningConfig(token_budget=BUDGET, consolidate_at=0),
+            gate=gate, review=reviewing(BUDGET), consolidate=no_consolidation,
+            max_update_bytes=None, holdout=first.holdout,
+        )  # fmt: skip
+        return first, await ladder.run()
+
+    first, second = anyio.run(main)
+    # Deferred: nothing served, nothing refused, the lesson waiting with the gate's state.
+    assert first.rejection is None and bullets(first.playbook) == []
+    assert first.learned == SOURCES and first.playbook.version == 1
+    assert first.holdout is not None
+    assert first.holdout.pending == [AddOp(section=SECTION, content="round to the decimals asked")]
+    # The next candidate carries both windows' lessons, reviewed once, and publishes them.
+    assert gate.shown[-1] == ["round to the decimals asked", "write percentages as fractions"]
+    assert second.rejection is None and bullets(second.playbook) == gate.shown[-1]
+    assert second.holdout is not None and second.holdout.pending == []
 
 
 def test_a_proposal_for_another_key_or_an_older_version_is_refused() -> None:

@@ -34,7 +34,7 @@ from combee_stream.core.versions import KeyChain
 from combee_stream.evaluation.replay import AgentEvaluator, lower_bound
 from combee_stream.kafka.history import PRODUCTION, read_history
 from combee_stream.llm import LLMClient
-from combee_stream.schemas import Feedback, HeldOutTask, PromptUpdate, Source, Trace
+from combee_stream.schemas import AddOp, Feedback, HeldOutTask, PromptUpdate, Source, Trace
 from combee_stream.sim import (
     IN_PROCESS_BASE_URL,
     SimSettings,
@@ -188,10 +188,20 @@ async def test_a_poisoned_candidate_is_refused_and_a_good_one_published() -> Non
     # Tasks the poisoned candidate broke are kept as regressions for later candidates.
     assert cut.holdout is not None and cut.holdout.regressions
     assert not any(u.holdout and u.holdout.regressions for u in updates if u.version < cut.version)
-    # Early windows, before the sample held min_samples tasks, were refused, not published.
+    # Early windows, before the sample held min_samples tasks, were deferred: not published,
+    # not refused either; their lessons waited and went into the first reviewed candidate.
     first = updates[0]
-    assert first.stats.rejection is not None and "min_samples" in first.stats.rejection.reason
+    assert first.stats.rejection is None and first.stats.gate is None
+    assert first.stats.deferred > 0 and first.holdout is not None
     assert first.playbook.sections == [] or all(not s.bullets for s in first.playbook.sections)
+    # (The simulator's lessons are tagged LESSON[id]; a later window may word one otherwise.)
+    waited = {op.content.split(":")[0] for op in first.holdout.pending if isinstance(op, AddOp)}
+    reviewed = next(u for u in updates if u.stats.gate is not None)
+    assert reviewed.stats.deferred == 0 and reviewed.holdout is not None
+    assert not reviewed.holdout.pending and reviewed.stats.gate is not None
+    assert reviewed.stats.gate.accepted
+    served = {b.content.split(":")[0] for s in reviewed.playbook.sections for b in s.bullets}
+    assert waited and waited <= served
 
 
 @pytest.mark.kafka

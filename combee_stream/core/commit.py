@@ -4,7 +4,8 @@ steps (:class:`Commit`), each of which may narrow what the version carries:
 1. **nothing to apply** — a window of held-out traces only still yields a version (for their
    offsets); one whose every reflection failed learns nothing;
 2. **rebase** — a delta computed on an older snapshot, onto the newest version
-   (:func:`~combee_stream.core.delta.rebase`);
+   (:func:`~combee_stream.core.delta.rebase`); the operations earlier windows left waiting
+   for the gate (``Holdout.pending``) join it, and the whole is one candidate;
 3. **budget** — the review (:mod:`~combee_stream.core.hygiene`) and the delta applied within
    the token budget;
 4. **consolidation** — near the budget (tokens, or the version's bytes near
@@ -14,7 +15,9 @@ steps (:class:`Commit`), each of which may narrow what the version carries:
    it falls back;
 6. **gate** — the publish gate reviews the candidate; **blame-prune**: when it blames new
    bullets (cited on held-out tasks answered wrong), once more without them, kept when the rest
-   passes; a refusal keeps nothing of the candidate;
+   passes; a refusal keeps nothing of the candidate; a gate that cannot judge yet (too few
+   held-out tasks) **defers**: what the review kept waits in ``Holdout.pending`` for the next
+   window, and this version carries the window's tags and provenance;
 7. **fall back** — tags + provenance, then provenance only (a gate refusal: provenance only);
 8. **re-review** — a consolidation kept under a budget or size rejection is a change of the
    prompt of its own: reviewed like any;
@@ -34,28 +37,33 @@ import anyio
 import msgspec
 
 from combee_stream.config import LearningConfig
-from combee_stream.core.delta import empty, rebase
+from combee_stream.core.delta import canonical_operations, empty, merge, rebase
 from combee_stream.core.gate import Candidate, PublishGate, Verdict
 from combee_stream.core.playbook import (
     ApplyResult,
     SkippedOp,
     apply,
     copy_playbook,
+    normalize,
     playbook_tokens,
 )
 from combee_stream.core.results import Proposal, WindowResult, WindowStats
 from combee_stream.logs import get_logger
 from combee_stream.schemas import (
+    AddOp,
     BudgetRejection,
     Consolidation,
     Delta,
     GateRejection,
     GateReport,
     Holdout,
+    Operation,
     Playbook,
     Rejection,
+    RemoveOp,
     SizeRejection,
     Source,
+    UpdateOp,
 )
 
 log = get_logger(__name__)
@@ -122,6 +130,7 @@ class Commit:
             proposal.stats, stale_by=onto.version - proposal.snapshot_version
         )
         self._delta = proposal.delta
+        self._add_tasks = dict(proposal.add_tasks)
         # What the ladder has made so far.
         self._base = onto  # what a fallback is applied onto (a consolidated playbook, maybe)
         self._consolidation: Consolidation | None = None
@@ -135,6 +144,7 @@ class Commit:
         if nothing is not None:
             return nothing
         self._rebase()
+        self._take_pending()
         result = await self._within_budget(self._onto)
         result = await self._consolidated_near_budget(result)
         applied_delta = self._delta
@@ -175,12 +185,30 @@ class Commit:
         if self._onto.version != self._delta.base_version:
             self._delta = rebase(self._delta, self._onto)
 
+    def _take_pending(self) -> None:
+        """The operations earlier windows left waiting for the gate (``Holdout.pending``) join
+        this window's delta: one candidate, reviewed whole. Whatever becomes of it (published,
+        refused, deferred again) is the pending operations' fate too."""
+        holdout = self._holdout
+        if holdout is None or not holdout.pending:
+            return
+        waiting = rebase(
+            Delta(key=self._onto.key, operations=holdout.pending, base_version=self._onto.version),
+            self._onto,
+        )
+        self._delta = merge(waiting, self._delta)
+        self._holdout = msgspec.structs.replace(holdout, pending=[])
+        # Reviewed against their own window's tasks already: not against this one's.
+        for op in waiting.operations:
+            if isinstance(op, AddOp):
+                self._add_tasks.setdefault(normalize(op.content), [])
+
     async def _within_budget(self, base: Playbook, budget: int | None = -1) -> ApplyResult:
         """The review, then the delta applied onto ``base`` within ``budget`` (the token
         budget by default; None: no limit)."""
         proposal = self._proposal
         return await self._review(
-            base, self._delta, proposal.tasks, budget=budget, own_tasks=proposal.add_tasks,
+            base, self._delta, proposal.tasks, budget=budget, own_tasks=self._add_tasks,
             refused=proposal.skipped, quoted=proposal.quoted,
         )  # fmt: skip
 
@@ -219,6 +247,17 @@ class Commit:
         self._report = verdict.report
         if verdict.holdout is not None:
             self._holdout = verdict.holdout
+        if verdict.deferred:
+            # Not judged: what the review kept waits for the next window's candidate; this
+            # version carries the window's tags and provenance (its traces are learned).
+            waiting = changes(self._base, result.playbook)
+            holdout = self._holdout or Holdout()
+            self._holdout = msgspec.structs.replace(holdout, pending=waiting)
+            self._base, self._consolidation = self._onto, None
+            self._fallbacks = [self._keep_only(True), self._keep_only(False)]
+            log.info("gate deferred the window", key=self._onto.key, reason=verdict.reason,
+                     pending=len(waiting))  # fmt: skip
+            return result
         if verdict.blame:
             pruned = without(result.playbook, set(verdict.blame))
             second = await self._reviewed_by_gate(pruned)
@@ -238,7 +277,11 @@ class Commit:
         for fallback in self._fallbacks:
             attempt = apply(self._base, fallback, token_budget=self._config.token_budget)
             if attempt.applied:
-                return msgspec.structs.replace(attempt, rejected=result.rejected), fallback
+                # What the review refused stays counted: those operations are gone for good.
+                kept = msgspec.structs.replace(
+                    attempt, rejected=result.rejected, skipped=[*result.skipped, *attempt.skipped]
+                )
+                return kept, fallback
         return result, applied_delta
 
     async def _consolidation_reviewed(
@@ -330,14 +373,16 @@ def size_rejected(
 ) -> WindowResult:
     """``result``'s window as the smallest version it can make: committed onto ``onto``
     with its provenance only (no tags, no operations, no consolidation, the held-out
-    tasks ``onto``'s version had), rejected for size. Also what a driver publishes when
+    tasks ``onto``'s version had, no operations waiting for the gate), rejected for size. Also what a driver publishes when
     the broker refuses ``result``'s record (``would_be``: its size)."""
     limit = max_update_bytes or would_be - 1
     provenance = Delta(key=onto.key, sources=result.delta.sources, base_version=onto.version)
     bumped = apply(onto, provenance, token_budget=None)
     held = {s.trace_id for s in result.held_out}
     holdout = result.holdout
-    if holdout is not None and held:  # the window's own held-out tasks are what grew it
+    if holdout is not None:
+        # The window's own held-out tasks are what grew it; operations waiting for the gate
+        # may be too: the smallest version keeps neither.
         holdout = Holdout(
             tasks=[t for t in holdout.tasks if t.trace_id not in held],
             regressions=[t for t in holdout.regressions if t.trace_id not in held],
@@ -355,6 +400,23 @@ def size_rejected(
         rejection=SizeRejection(limit=limit, would_be=would_be), held_out=result.held_out,
         holdout=holdout, report=result.report,
     )  # fmt: skip
+
+
+def changes(before: Playbook, after: Playbook) -> list[Operation]:
+    """The operations that make ``after``'s bullets of ``before``'s (counters aside): an ADD per
+    new bullet, an UPDATE per changed text, a REMOVE per bullet gone; canonical order."""
+    old = {b.id: b for s in before.sections for b in s.bullets}
+    now = {b.id for s in after.sections for b in s.bullets}
+    ops: list[Operation] = []
+    for section in after.sections:
+        for bullet in section.bullets:
+            was = old.get(bullet.id)
+            if was is None:
+                ops.append(AddOp(section=section.name, content=bullet.content))
+            elif was.content != bullet.content:
+                ops.append(UpdateOp(bullet_id=bullet.id, content=bullet.content))
+    ops.extend(RemoveOp(bullet_id=i) for i in old if i not in now)
+    return canonical_operations(ops)
 
 
 def without(playbook: Playbook, ids: set[str]) -> Playbook:
@@ -377,4 +439,12 @@ def narrowed_to(result: ApplyResult, playbook: Playbook) -> ApplyResult:
     )
 
 
-__all__ = ["Commit", "Consolidate", "Review", "narrowed_to", "size_rejected", "without"]
+__all__ = [
+    "Commit",
+    "Consolidate",
+    "Review",
+    "changes",
+    "narrowed_to",
+    "size_rejected",
+    "without",
+]

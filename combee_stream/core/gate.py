@@ -39,6 +39,9 @@ class Verdict(Struct, frozen=True):
     # The candidate's new bullets to blame (cited on held-out tasks answered wrong). The learner
     # tries the candidate once more without them.
     blame: list[str] = []
+    # The gate cannot judge yet (too few held-out tasks): neither published nor refused, the
+    # candidate's operations wait in the key's ``Holdout.pending`` for the next window's review.
+    deferred: bool = False
 
 
 class PublishGate(Protocol):

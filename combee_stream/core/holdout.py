@@ -59,7 +59,7 @@ def with_regressions(holdout: Holdout, broke: Sequence[str], size: int) -> Holdo
     new = [by_id[i] for i in broke if i in by_id]
     ids = {t.trace_id for t in new}
     regressions = [*new, *(t for t in holdout.regressions if t.trace_id not in ids)]
-    return Holdout(tasks=holdout.tasks, regressions=regressions[:size])
+    return msgspec.structs.replace(holdout, regressions=regressions[:size])
 
 
 class HoldoutPolicy:
@@ -101,7 +101,7 @@ class HoldoutPolicy:
         admitted = sorted(fresh.values(), key=lambda t: t.rank)[: self._config.holdout_per_window]
         merged.update((t.trace_id, t) for t in admitted)
         kept = sorted(merged.values(), key=lambda t: t.rank)[: self._config.reservoir_size]
-        return Holdout(tasks=kept, regressions=current.regressions)
+        return msgspec.structs.replace(current, tasks=kept)
 
     def regress(self, holdout: Holdout, broke: Sequence[str]) -> Holdout:
         """``holdout`` with the tasks ``broke`` names first among its regressions."""

@@ -254,6 +254,7 @@ class KeyChain:
                 gate=result.report,
                 reverted_to=window.reverted_to,
                 consolidated=stats.consolidation,
+                deferred=len(result.holdout.pending) if result.holdout is not None else 0,
             ),
             watermark=watermark,
             created_at=utcnow(),

@@ -56,6 +56,8 @@ def gate_note(update: PromptUpdate) -> str:
     held = f", {len(stats.held_out)} held out" if stats.held_out else ""
     if stats.rejection is not None:
         return f"{held}; refused: {getattr(stats.rejection, 'reason', stats.rejection.kind)}"
+    if stats.deferred:
+        return f"{held}; {stats.deferred} lesson(s) wait for enough held-out tasks to be reviewed"
     if stats.gate is not None:
         g = stats.gate
         left = (

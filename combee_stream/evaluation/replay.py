@@ -34,6 +34,7 @@ from __future__ import annotations
 import importlib
 import math
 import statistics
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Final
 
@@ -173,10 +174,13 @@ class ReplayGate:
         tasks = review_tasks(candidate.holdout)
         cfg = self._config
         if len(tasks) < cfg.min_samples:
+            # Too few tasks to judge: nothing unverified is published, and nothing is thrown
+            # away either (a new key's first windows would otherwise lose their lessons).
             return Verdict(
                 accepted=False,
+                deferred=True,
                 reason=f"{len(tasks)} held-out task(s), fewer than gate.min_samples = "
-                f"{cfg.min_samples}: nothing unverified is published",
+                f"{cfg.min_samples}: the window's lessons wait for the next review",
             )
         before, after = render(candidate.parent), render(candidate.playbook)
         scores: dict[tuple[int, int], Score] = {}
@@ -226,17 +230,21 @@ class ReplayGate:
         holdout = candidate.holdout
         if not accepted and holdout is not None and cfg.regression_size:
             holdout = with_regressions(holdout, broke, cfg.regression_size)
-        # Credit assignment: the candidate's new bullets that the agent cited on a held-out
-        # task it answered wrong (a lesson it relied on and failed with: wrong, or not enough).
-        # Comparing with the parent cannot see a bad new rule for a task the parent fails too;
-        # this can. The learner tries the candidate once more without them.
+        # Credit assignment: the candidate's new bullets that the agent cited on more held-out
+        # tasks it answered wrong than right (a lesson it relied on and failed with: wrong, or
+        # not enough). Comparing with the parent cannot see a bad new rule for a task the
+        # parent fails too; this can. One wrong answer is not enough: a general rule ("round
+        # to the decimals asked") is cited on nearly every task, also on those the agent still
+        # gets wrong for another reason, and blaming it there pruned a real run's best lesson.
+        # The learner tries the candidate once more without them.
         old = {b.id for s in candidate.parent.sections for b in s.bullets}
-        blame = list(
-            dict.fromkeys(
-                b for i, c in enumerate(new) if c < 1.0
-                for b in scores[i, 1].cited if b not in old
+        wrong: Counter[str] = Counter()
+        right: Counter[str] = Counter()
+        for i, c in enumerate(new):
+            (right if c >= 1.0 else wrong).update(
+                b for b in dict.fromkeys(scores[i, 1].cited) if b not in old
             )
-        )  # fmt: skip
+        blame = [b for b in wrong if wrong[b] > right[b]]
         return Verdict(
             accepted=accepted, reason=reason, report=report, holdout=holdout, blame=blame
         )
