@@ -373,8 +373,9 @@ def size_rejected(
 ) -> WindowResult:
     """``result``'s window as the smallest version it can make: committed onto ``onto``
     with its provenance only (no tags, no operations, no consolidation, the held-out
-    tasks ``onto``'s version had, no operations waiting for the gate), rejected for size. Also what a driver publishes when
-    the broker refuses ``result``'s record (``would_be``: its size)."""
+    tasks ``onto``'s version had, no operations waiting for the gate), rejected for size.
+    Also what a driver publishes when the broker refuses ``result``'s record (``would_be``:
+    its size)."""
     limit = max_update_bytes or would_be - 1
     provenance = Delta(key=onto.key, sources=result.delta.sources, base_version=onto.version)
     bumped = apply(onto, provenance, token_budget=None)
