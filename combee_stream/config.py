@@ -408,6 +408,9 @@ class GateConfig(_Section):
     # evaluation/replay.py; with 20 tasks, a candidate that changes none passes at 0.1, one that
     # loses one fails).
     margin: Annotated[float, Meta(ge=0, le=1)] = 0.1
+    # And never publish a candidate that answered fewer held-out tasks than the version it
+    # extends, whatever the bound (which forgives a loss too small for the sample to see).
+    no_worse: bool = True
     confidence: Annotated[float, Meta(gt=0.5, lt=1)] = 0.95
     # "agent": the engine answers each task itself through the llm.agent role (a single-call
     # agent), scored against the trace's ground truth with `scorer`. Or "module:function", an

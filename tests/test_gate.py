@@ -27,14 +27,28 @@ from engine_support import (
 from combee_stream import Engine
 from combee_stream.config import Config, ConfigError, GateConfig, LearningConfig
 from combee_stream.core.controller import FixedBatch
+from combee_stream.core.gate import Candidate, Verdict
 from combee_stream.core.holdout import HoldoutPolicy, rank
 from combee_stream.core.learner import Learner
 from combee_stream.core.pipeline import KeyPipeline, MemorySink, PipelineSettings, closed_inbox
+from combee_stream.core.playbook import render
 from combee_stream.core.versions import KeyChain
-from combee_stream.evaluation.replay import AgentEvaluator, lower_bound
+from combee_stream.evaluation.replay import AgentEvaluator, ReplayGate, Score, lower_bound
 from combee_stream.kafka.history import PRODUCTION, read_history
 from combee_stream.llm import LLMClient
-from combee_stream.schemas import AddOp, Feedback, HeldOutTask, PromptUpdate, Source, Trace
+from combee_stream.schemas import (
+    AddOp,
+    Bullet,
+    Delta,
+    Feedback,
+    HeldOutTask,
+    Holdout,
+    Playbook,
+    PromptUpdate,
+    Section,
+    Source,
+    Trace,
+)
 from combee_stream.sim import (
     IN_PROCESS_BASE_URL,
     SimSettings,
@@ -370,3 +384,60 @@ async def test_the_llm_judge_scores_answers_against_the_reference() -> None:
             assert llm.usage()["judge"].calls == 4
         finally:
             await llm.aclose()
+
+
+def _review(
+    right_before: set[int], right_after: set[int], cited: dict[int, list[str]], n: int = 40,
+    gate: GateConfig | None = None,
+) -> Verdict:  # fmt: skip
+    """The replay gate's verdict on a candidate adding bullets ``a`` and ``b`` to an empty
+    parent, on ``n`` held-out tasks: task i right before / after as the sets say, the agent
+    citing ``cited[i]`` under the candidate."""
+    parent = Playbook(key=KEY, version=1)
+    new = [Bullet(id="a", content="x"), Bullet(id="b", content="y")]
+    book = Playbook(key=KEY, version=2, next_id=3, sections=[Section(name="S", bullets=new)])
+    tasks = [HeldOutTask(trace_id=f"t{i}", task=f"task {i}", answer="1", rank=i) for i in range(n)]
+    before = render(parent)
+
+    async def evaluate(prompt: str, task: HeldOutTask) -> Score:
+        i = int(task.trace_id[1:])
+        if prompt == before:
+            return Score(1.0 if i in right_before else 0.0)
+        return Score(1.0 if i in right_after else 0.0, cited.get(i, []))
+
+    candidate = Candidate(
+        key=KEY, parent=parent, playbook=book, delta=Delta(key=KEY), reflections=[],
+        holdout=Holdout(tasks=tasks),
+    )  # fmt: skip
+    return anyio.run(ReplayGate(gate or GateConfig(replay=True), evaluate).review, candidate)
+
+
+def test_a_measured_loss_is_refused_even_where_the_bound_forgives_it() -> None:
+    right = set(range(20))
+    # One task lost of forty and none gained: within the default margin's bound...
+    verdict = _review(right, right - {0}, {})
+    assert verdict.report is not None and verdict.report.lower > -0.1
+    # ...but fewer right than the version it extends: not published (gate.no_worse).
+    assert not verdict.accepted and "no_worse" in verdict.reason
+    assert verdict.report.broke == ["t0"]
+    # One lost and one gained, or nothing changed: published.
+    assert _review(right, (right - {0}) | {30}, {}).accepted
+    assert _review(right, right, {}).accepted
+    # With no_worse off, the bound alone decides.
+    lenient = GateConfig(replay=True, no_worse=False)
+    assert _review(right, right - {0}, {}, gate=lenient).accepted
+
+
+def test_blame_falls_on_a_bullet_cited_on_more_wrong_answers_than_right_ones() -> None:
+    right = set(range(20))
+    # "a" is cited everywhere (a general rule): on the 20 right answers and on 10 wrong ones;
+    # "b" only on 5 tasks, all answered wrong (tasks 0-4, right before: a broken lesson).
+    after = right - {0, 1, 2, 3, 4}
+    cited = {i: ["a"] for i in range(30)}
+    for i in range(5):
+        cited[i] = ["a", "b"]
+    verdict = _review(right, after, cited)
+    assert not verdict.accepted
+    assert verdict.blame == ["b"]
+    # No new bullet was cited on more wrong answers than right ones: none is blamed.
+    assert _review(right, right - {0}, {0: ["a"], 1: ["a"]}).blame == []

@@ -10,9 +10,16 @@ LLM role, scored against the trace's ground truth), or the user's (``gate.evalua
 GEPA's adapters: the gate does not need to know how the agent works.
 
 The statistic (paired non-inferiority): with ``n`` tasks scored under both prompts, the
-candidate is accepted when ``n >= gate.min_samples`` and the one-sided lower confidence bound
+candidate is accepted when ``n >= gate.min_samples``, the one-sided lower confidence bound
 (at ``gate.confidence``) of the paired difference in mean score (candidate - current) is above
-``-gate.margin``. For 0/1 scores the bound is Agresti and Min's (2005) adjusted Wald interval
+``-gate.margin``, and (``gate.no_worse``, on by default) its mean score is not below the
+current version's: the bound forgives a loss a small sample cannot tell from noise, but a
+version that did measurably worse on the tasks it was checked on is not served. (A real
+model served with parallel slots is not deterministic even at temperature 0: the same prompt
+answered a Formula row differently on about one task in twelve, so a candidate that changes
+nothing is refused now and then; its lessons are then lost, which costs learning speed, not
+safety.) With fewer than ``min_samples`` tasks the gate defers (see
+:class:`~combee_stream.core.gate.Verdict`). For 0/1 scores the bound is Agresti and Min's (2005) adjusted Wald interval
 for paired proportions: half a task added to each cell of the 2x2 table, so that with ``b``
 tasks lost and ``c`` gained, d = (c - b) / (n + 2) and var = (b + c + 1 - (c - b)^2 / (n + 2))
 / (n + 2)^2. It uses the pairing (only discordant tasks count), and, unlike the plain Wald bound,
@@ -208,7 +215,11 @@ class ReplayGate:
         current = [scores[i, 0].value for i in range(len(tasks))]
         new = [scores[i, 1].value for i in range(len(tasks))]
         lower = lower_bound(current, new, cfg.confidence)
-        accepted = lower > -cfg.margin
+        # The bound forgives what a small sample cannot tell from noise; a measured loss is
+        # not forgiven (gate.no_worse): agents are never served a version that did worse on
+        # the very tasks it was checked on.
+        worse = sum(new) < sum(current)
+        accepted = lower > -cfg.margin and not (cfg.no_worse and worse)
         broke = [t.trace_id for t, a, b in zip(tasks, current, new, strict=True) if b < a]
         n = len(tasks)
         report = GateReport(
@@ -220,12 +231,16 @@ class ReplayGate:
             lower=round(lower, 4),
             broke=broke,
         )
+        why = (
+            f"lower bound {lower:+.3f} <= -{cfg.margin:g}"
+            if lower <= -cfg.margin
+            else "fewer right than the version it extends (gate.no_worse)"
+        )
         reason = (
             ""
             if accepted
             else f"worse on held-out tasks: accuracy {report.candidate:.3f} vs "
-            f"{report.current:.3f} (n={n}), lower bound {lower:+.3f} <= -{cfg.margin:g}; "
-            f"broke {len(broke)} task(s)"
+            f"{report.current:.3f} (n={n}), {why}; broke {len(broke)} task(s)"
         )
         holdout = candidate.holdout
         if not accepted and holdout is not None and cfg.regression_size:
