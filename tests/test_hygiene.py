@@ -143,3 +143,33 @@ def test_a_bullet_forwarding_what_a_trace_quoted_is_refused() -> None:
     assert review_adds(playbook(), delta, [], quoted=spans) == {0: "quotes_trace"}
     # A short quoted term ("current ratio") is a name, not data: a lesson may use it.
     assert quoted_spans('What is the "current ratio" here?') == []
+
+
+def test_a_bullet_that_gives_the_error_again_as_its_fix_is_refused() -> None:
+    # What a 1.5B reflector wrote on ACE's Formula traces, nearly word for word.
+    same = (
+        "When calculating the current ratio, the formula should be Current Ratio = Current "
+        "Assets / Current Liabilities, not Current Assets / Current Liabilities."
+    )
+    # A real correction differs in an operator or a bracket, and stays.
+    sign = "When pricing with the dividend discount model, use D1 / (r - g), not D1 / (r + g)."
+    brackets = "When computing a Sharpe ratio, it is (R_p - R_f) / sd, not R_p - R_f / sd."
+    symbol = "When writing an expression for the calculator, multiply with '*', not '×'."
+    delta = Delta(
+        key=KEY, operations=[AddOp(section="S", content=t) for t in (same, sign, brackets, symbol)]
+    )
+    assert review_adds(playbook(), delta, []) == {0: "contradicts_itself"}
+
+
+def test_a_bullet_that_only_repeats_the_formula_its_task_states_is_a_restatement() -> None:
+    task = (
+        "Use formula Current Ratio to answer the question. Answer with a numerical answer with 2 "
+        "decimal places. Formula: Current Ratio = Current Assets / Current Liabilities. Question: "
+        '"A firm lists current assets of $1,000,000 and current liabilities of $500,000."'
+    )
+    copied = "When computing it, use Current Ratio = Current Assets / Current Liabilities."
+    rounded = (
+        "When the question asks for 2 decimal places, write the expression as round(expression, 2)."
+    )
+    delta = Delta(key=KEY, operations=[AddOp(section="S", content=t) for t in (copied, rounded)])
+    assert review_adds(playbook(), delta, [task]) == {0: "restates_task"}

@@ -90,6 +90,7 @@ SkipReason = Literal[
     "unsupported_remove",  # a REMOVE of a bullet no evidence speaks against
     "unsupported_update",  # an UPDATE changing a bullet's meaning without evidence
     "minority_remove",  # a REMOVE proposed by fewer than half of the window's curator groups
+    "contradicts_itself",  # "should be A, not A": the fix and the error are the same words
     "quotes_trace",  # content reproducing data a trace of the window only quoted
 ]
 

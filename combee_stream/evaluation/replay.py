@@ -10,26 +10,27 @@ LLM role, scored against the trace's ground truth), or the user's (``gate.evalua
 GEPA's adapters: the gate does not need to know how the agent works.
 
 The statistic (paired non-inferiority): with ``n`` tasks scored under both prompts, the
-candidate is accepted when ``n >= gate.min_samples``, the one-sided lower confidence bound
-(at ``gate.confidence``) of the paired difference in mean score (candidate - current) is above
+candidate is accepted when ``n >= gate.min_samples``, the one-sided lower confidence bound (at
+``gate.confidence``) of the paired difference in mean score (candidate - current) is above
 ``-gate.margin``, and (``gate.no_worse``, on by default) its mean score is not below the
 current version's: the bound forgives a loss a small sample cannot tell from noise, but a
-version that did measurably worse on the tasks it was checked on is not served. (A real
-model served with parallel slots is not deterministic even at temperature 0: the same prompt
-answered a Formula row differently on about one task in twelve, so a candidate that changes
-nothing is refused now and then; its lessons are then lost, which costs learning speed, not
-safety.) With fewer than ``min_samples`` tasks the gate defers (see
-:class:`~combee_stream.core.gate.Verdict`). For 0/1 scores the bound is Agresti and Min's (2005) adjusted Wald interval
-for paired proportions: half a task added to each cell of the 2x2 table, so that with ``b``
-tasks lost and ``c`` gained, d = (c - b) / (n + 2) and var = (b + c + 1 - (c - b)^2 / (n + 2))
-/ (n + 2)^2. It uses the pairing (only discordant tasks count), and, unlike the plain Wald bound,
-it is not certain of anything with no discordant task: two prompts that agree on all n tasks
-have a bound of -z / (n + 2), so a margin of 0.1 needs about 15 tasks to accept a candidate
-that changes nothing, and one that loses one task of twenty is refused. (Newcombe's interval,
-what ``combee-stream eval`` reports, was tried first: its correlation is undefined when both
-prompts fail every task, as a new key's empty parent does, and it refused every early
-candidate; the plain Wald bound refused a candidate that gained one task of eight and accepted
-one that gained none.) For other scores it is the normal bound of the mean paired difference.
+version that did measurably worse on the tasks it was checked on is not served. (A real model
+served with parallel slots is not deterministic even at temperature 0: the same prompt answered
+a Formula row differently on about one task in twelve, so a candidate that changes nothing is
+refused now and then; its lessons are then lost, which costs learning speed, not safety.) With
+fewer than ``min_samples`` tasks the gate defers (see
+:class:`~combee_stream.core.gate.Verdict`). For 0/1 scores the bound is Agresti and Min's
+(2005) adjusted Wald interval for paired proportions: half a task added to each cell of the 2x2
+table, so that with ``b`` tasks lost and ``c`` gained, d = (c - b) / (n + 2) and var = (b + c +
+1 - (c - b)^2 / (n + 2)) / (n + 2)^2. It uses the pairing (only discordant tasks count), and,
+unlike the plain Wald bound, it is not certain of anything with no discordant task: two prompts
+that agree on all n tasks have a bound of -z / (n + 2), so a margin of 0.1 needs about 15 tasks
+to accept a candidate that changes nothing, and one that loses one task of twenty is refused.
+(Newcombe's interval, what ``combee-stream eval`` reports, was tried first: its correlation is
+undefined when both prompts fail every task, as a new key's empty parent does, and it refused
+every early candidate; the plain Wald bound refused a candidate that gained one task of eight
+and accepted one that gained none.) For other scores it is the normal bound of the mean paired
+difference.
 
 The current version's answers are the same requests every time the key is reviewed, so the
 LLM client's completion memo answers them after the first review: a review costs about one
