@@ -227,6 +227,13 @@ class LearningConfig(_Section):
     # agent of ACE's examples uses one to three, and a trace citing every bullet must not move
     # every counter (five such traces made every bullet of a playbook harmful=5).
     max_tags_per_trace: Positive = 3
+    # Which successful traces the reflector reads (failures always): "all" (ACE: every trace;
+    # a success can carry a lesson and its tags), "cited" (only successes that cited bullets:
+    # what they can teach is their tags), "none". A 1.5B reflector asked about a success that
+    # cited nothing wrote "the formula should be A, not A" on most of them: "cited" spends
+    # nothing on that (about half the calls on a stream that is half right). Skipped traces
+    # are learned all the same (their offsets commit); they only cost no call.
+    reflect_successes: Literal["all", "cited", "none"] = "all"
     # Tries of a trace's reflection, and of a window's curation, before their traces are parked
     # in the DLQ (each try is itself retried by the LLM client, llm.max_attempts). Both drivers.
     max_attempts: Positive = 3

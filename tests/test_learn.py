@@ -193,6 +193,47 @@ def test_llm_combine_and_auto_batch_size(tmp_path: Path) -> None:
     assert score(traces, load_playbooks(out)).lessons_retained == 50
 
 
+def test_successes_that_cited_nothing_cost_no_reflection_and_are_still_learned_once(
+    tmp_path: Path,
+) -> None:
+    traces = generate_traces(48, keys=1, lessons=12, seed=4)
+    # A few successes cite a bullet id: those are read (their tags are what they teach).
+    cited = {t.trace_id for t in traces if t.feedback.passed}
+    cited = set(sorted(cited)[:3])
+    traces = [
+        msgspec.structs.replace(t, bullet_ids=["strat-00001"]) if t.trace_id in cited else t
+        for t in traces
+    ]
+    path = write_traces(tmp_path / "traces.jsonl", traces)
+    out = tmp_path / "out"
+    report, stats = anyio.run(
+        lambda: learn(
+            SimSettings(seed=4),
+            path,
+            out,
+            env={"COMBEE__LEARNING__REFLECT_SUCCESSES": "cited"},
+            strategy="combee",
+            batch_size="12",
+        )
+    )
+    failures = sum(1 for t in traces if not t.feedback.passed)
+    assert 0 < failures < len(traces)
+    assert report.per_role["reflector"].calls == failures + len(cited)
+    assert stats["roles"]["reflector"]["completed"] == failures + len(cited)
+    assert report.learned == len(traces) and report.failed_traces == 0
+    check_history(out, traces)  # every trace learned exactly once, read or not
+
+
+def test_a_reflection_whose_lesson_is_none_goes_to_no_curator() -> None:
+    from combee_stream.core.learner import teaches
+    from combee_stream.schemas import Reflection
+
+    source = Source("t", 0, 0)
+    assert not teaches(Reflection(key="k", source=source, key_insight="None."))
+    assert not teaches(Reflection(key="k", source=source, key_insight=""))
+    assert teaches(Reflection(key="k", source=source, key_insight="When asked, round it."))
+
+
 # --------------------------------------------------------------------------- faults, resume
 
 

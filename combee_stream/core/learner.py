@@ -67,7 +67,7 @@ import msgspec
 
 from combee_stream.config import Config, LearningConfig
 from combee_stream.core.commit import Commit, size_rejected, without
-from combee_stream.core.delta import empty, merge
+from combee_stream.core.delta import canonical, empty, merge
 from combee_stream.core.gate import AcceptAll, PublishGate
 from combee_stream.core.holdout import HoldoutPolicy
 from combee_stream.core.hygiene import (
@@ -272,6 +272,10 @@ class Learner:
         """Map, one trace: the reflector's diagnosis against ``snapshot``. The streaming engine
         calls this the moment a trace arrives; a failure after the client's retries is returned
         (never raised, never dropped)."""
+        if self._unread(trace):
+            # Learned all the same (its provenance joins the window's), at no call.
+            empty_reflection = Reflection(key=snapshot.key, source=source)
+            return ReflectionRecord(reflection=empty_reflection, task=trace.task)
         messages = reflector_messages(self._prompts, snapshot, trace)
         try:
             if trace.bullet_ids:
@@ -301,6 +305,13 @@ class Learner:
             quoted=tuple(quoted_spans(trace.task, trace.feedback.text or "")),
         )
 
+    def _unread(self, trace: Trace) -> bool:
+        """A success the reflector does not read (``learning.reflect_successes``)."""
+        which = self._config.reflect_successes
+        if which == "all" or trace.feedback.passed is not True:
+            return False
+        return which == "none" or not trace.bullet_ids
+
     def new_stats(self, traces: int = 0) -> WindowStats:
         return WindowStats(strategy=self.spec.name, traces=traces)
 
@@ -324,6 +335,22 @@ class Learner:
         stats.reflected = len(records)
         stats.failed = len(failed)
         done = [rec.reflection for rec in records]
+        # Only reflections with a lesson go to the curators (a success the reflector did not
+        # read, or whose lesson is "none", adds its tags and provenance, not a record).
+        lessons = [rec for rec in records if teaches(rec.reflection)]
+        if records and not lessons:
+            nothing = Delta(
+                key=key,
+                tags=[t for rec in records for t in rec.reflection.bullet_tags],
+                sources=[rec.reflection.source for rec in records],
+                base_version=snapshot.version,
+            )
+            stats.rounds = 1
+            stats.delay_s = anyio.current_time() - started
+            return Proposal(
+                key, snapshot.version, canonical(nothing), failed, done, stats,
+                tasks=[rec.task for rec in records if rec.task],
+            )  # fmt: skip
         if not records:
             stats.rounds = 1 if failed else 0  # a Map whose every reflection failed
             stats.delay_s = anyio.current_time() - started
@@ -337,11 +364,11 @@ class Learner:
         base = Delta(key=key, tags=tags, sources=sources, base_version=snapshot.version)
         tagged = apply(snapshot, Delta(key=key, tags=tags), token_budget=None).playbook
 
-        # ---- Shuffle + tree.
-        window_plan = plan(len(records), self.params)
+        # ---- Shuffle + tree (of the reflections with a lesson).
+        window_plan = plan(len(lessons), self.params)
         stats.groups, stats.duplication = window_plan.groups, window_plan.duplication
         rng = _window_rng(self._config.seed, key, snapshot.version, sources)
-        groups = augmented_shuffle(records, window_plan.duplication, window_plan.groups, rng)
+        groups = augmented_shuffle(lessons, window_plan.duplication, window_plan.groups, rng)
         budget = self._config.token_budget
 
         add_tasks: dict[str, list[str]] = {}
@@ -573,6 +600,15 @@ class Learner:
         return completion.value
 
 
+_NO_LESSON = frozenset({"", "none", "n a", "no lesson", "nothing"})
+
+
+def teaches(reflection: Reflection) -> bool:
+    """Whether a reflection has a lesson for the curators (its key insight is not empty or
+    "none", as the reflector is told to answer when a success needed nothing)."""
+    return normalize(reflection.key_insight) not in _NO_LESSON
+
+
 # How a driver gets its learner: from the config it runs with and the LLM client it made.
 LearnerFactory = Callable[[Config, LLMClient], Learner]
 
@@ -583,4 +619,5 @@ __all__ = [
     "LearnerFactory",
     "WindowError",
     "required_roles",
+    "teaches",
 ]
