@@ -100,6 +100,12 @@ def register(subparsers: Any) -> None:
     q.add_argument(
         "--no-gate", action="store_true", help="learn without the replay gate (default: on)"
     )
+    q.add_argument(
+        "--reflect-successes",
+        choices=("all", "cited", "none"),
+        default="cited",
+        help="learning.reflect_successes of the learners (default: cited, for a small reflector)",
+    )
     q.add_argument("--work", type=Path, default=None, help="traces and playbooks (resumable)")
     broker = parser.add_argument_group("local Kafka broker (saturation, overhead, latency)")
     broker.add_argument("--broker-port", type=int, default=None, help="default: broker.port")
@@ -199,6 +205,14 @@ async def _quality(config: Config, args: argparse.Namespace, quick: bool) -> qua
         concurrency=config.llm.concurrency,
         sequential_n=args.sequential_n,
         gate=not args.no_gate,
+        reflect_successes=args.reflect_successes,
+    )
+    # A 1.5B reflector asked about a success that cited nothing writes noise ("the formula
+    # should be A, not A"): by default the suite's learners read only failures and successes
+    # that cited bullets (learning.reflect_successes = "cited"); --reflect-successes all is ACE.
+    config = msgspec.structs.replace(
+        config,
+        learning=msgspec.structs.replace(config.learning, reflect_successes=args.reflect_successes),
     )
     if settings.gate:
         # The replay gate as the engine runs it, its held-out tasks drawn from the training

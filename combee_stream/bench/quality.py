@@ -80,6 +80,7 @@ class QualitySettings(Struct, kw_only=True):
     key: str = KEY
     sequential_n: int = 0  # sequential learns from this prefix of the stream (0: all of it)
     gate: bool = True  # the replay gate reviews every candidate
+    reflect_successes: str = "all"  # learning.reflect_successes of the learners
     endpoints: dict[str, str] = {}  # role -> "model at base_url"
 
 
@@ -513,7 +514,13 @@ def _notes(s: QualitySettings, capacity: Capacity) -> list[str]:
         "each prompt answers every one of them once (temperature 0).",
         f"Learning: offline `learn` (the engine's key pipeline, synchronous windows), batch size "
         f"{s.batch_size} for naive and combee, 1 for sequential;{sequential} union combine; "
-        "bullet review on; "
+        "bullet review on; successes reflected: "
+        + {
+            "all": "all (ACE)",
+            "cited": "only those citing bullets (the rest learned without a call)",
+            "none": "none",
+        }.get(s.reflect_successes, s.reflect_successes)
+        + "; "
         + (
             "replay gate on (a quarter of the stream held out by hash, at least 10 tasks)."
             if s.gate
