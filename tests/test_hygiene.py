@@ -173,3 +173,23 @@ def test_a_bullet_that_only_repeats_the_formula_its_task_states_is_a_restatement
     )
     delta = Delta(key=KEY, operations=[AddOp(section="S", content=t) for t in (copied, rounded)])
     assert review_adds(playbook(), delta, [task]) == {0: "restates_task"}
+
+
+def test_a_sentence_a_length_bound_cut_short_is_dropped_and_a_rule_across_sentences_stays() -> None:
+    from combee_stream.core.hygiene import contradicts_itself, without_cut_sentence
+
+    # A 1.5B curator's bullet, cut by the grammar's bound at 300 characters.
+    cut = (
+        "When calculating the Sharpe Ratio, round the result to two decimal places as the task "
+        "asks. This ensures that the answer is accurate. When the agent did not round the result, "
+    )
+    kept = without_cut_sentence(cut)
+    assert kept.endswith("This ensures that the answer is accurate.")
+    assert without_cut_sentence("When asked for two decimals, round(x, 2).") == (
+        "When asked for two decimals, round(x, 2)."
+    )
+    assert without_cut_sentence("a single sentence cut short by the bou") == (
+        "a single sentence cut short by the bou"
+    )  # nothing whole before it: left for the review to judge
+    # "did not round" two sentences later is no "A, not A".
+    assert not contradicts_itself(cut)

@@ -112,8 +112,10 @@ _FORMULA = re.compile(r"[\w)\]]\s*[*/=×÷^]\s*[\w(]|\s[-+]\s[\w(]|\b[a-zA-Z_]\w
 # A formula's pieces: an operator with the word on each side, and function calls.
 _OPERATOR_TERM = re.compile(r"[\w)]+\s*[*/=^]\s*[\w(]+|[\w)]+\s+[-+]\s+[\w(]+")
 _CALL = re.compile(r"\b[a-z_]\w*\(")
-# "... should be A, not B" / "... is A, not B" (B up to the end of its clause).
-_NOT_X = re.compile(r"(?:should be|must be|is|are|use|uses)\s+(.{3,200}?),?\s+not\s+([^.;]{3,200})")
+# "... should be A, not B" / "... is A, not B", within one clause (no sentence break in A).
+_NOT_X = re.compile(
+    r"(?:should be|must be|is|are|use|uses)\s+([^.;:]{3,200}?),\s*not\s+([^.;]{3,200})"
+)
 # An UPDATE keeps a bullet's meaning when it keeps this share of its content words.
 KEPT_MEANING: Final = 0.7
 
@@ -200,6 +202,20 @@ def _text_problem(
     if quotes(text, quoted):
         return "quotes_trace"
     return None
+
+
+def without_cut_sentence(text: str) -> str:
+    """``text`` without a last sentence that stops short (no closing punctuation) when a whole
+    sentence precedes it: what a grammar's length bound leaves of a small model's reply ("...
+    round the result to two decimals. When the agent did not round the result, ")."""
+    stripped = text.rstrip()
+    if not stripped or stripped[-1] in ".!?)]\"'`":
+        return text
+    end = max(stripped.rfind(". "), stripped.rfind("! "), stripped.rfind("? "))
+    if end < 0:
+        return text
+    head = stripped[: end + 1]
+    return head if len(content_words(head)) >= MIN_WORDS else text
 
 
 def _operator_terms(text: str) -> list[str]:
@@ -360,4 +376,5 @@ __all__ = [
     "review_adds",
     "review_edits",
     "violates",
+    "without_cut_sentence",
 ]

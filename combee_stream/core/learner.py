@@ -77,6 +77,7 @@ from combee_stream.core.hygiene import (
     review_adds,
     review_edits,
     violates,
+    without_cut_sentence,
 )
 from combee_stream.core.outputs import (
     ConsolidatorOutput,
@@ -128,12 +129,14 @@ from combee_stream.schemas import (
     Delta,
     HeldOutTask,
     Holdout,
+    Operation,
     Playbook,
     Reflection,
     RemoveOp,
     Section,
     Source,
     Trace,
+    UpdateOp,
 )
 
 T = TypeVar("T")
@@ -379,14 +382,15 @@ class Learner:
                 self._prompts, tagged, group, progress=progress, token_budget=budget
             )
             out = await self._call("curator", messages, CuratorOutput, stats)
+            operations = tidied(out.operations)
             group_tasks = [rec.task for rec in group if rec.task]
-            for op in out.operations:
+            for op in operations:
                 if isinstance(op, AddOp):
                     add_tasks.setdefault(normalize(op.content), []).extend(group_tasks)
-            remove_votes.update({op.bullet_id for op in out.operations if isinstance(op, RemoveOp)})
+            remove_votes.update({op.bullet_id for op in operations if isinstance(op, RemoveOp)})
             return Delta(
                 key=key,
-                operations=list(out.operations),
+                operations=operations,
                 sources=sorted({rec.reflection.source for rec in group}),
                 base_version=snapshot.version,
             )
@@ -394,7 +398,7 @@ class Learner:
         async def combine(partials: Sequence[Delta]) -> Delta:
             messages = combiner_messages(self._prompts, tagged, partials, token_budget=budget)
             out = await self._call("combiner", messages, CuratorOutput, stats)
-            return Delta(key=key, operations=list(out.operations), base_version=snapshot.version)
+            return Delta(key=key, operations=tidied(out.operations), base_version=snapshot.version)
 
         try:
             tree_delta, tree = await reduce_tree(
@@ -598,6 +602,18 @@ class Learner:
         stats.tokens_in += completion.tokens_in
         stats.tokens_out += completion.tokens_out
         return completion.value
+
+
+def tidied(operations: Sequence[Operation]) -> list[Operation]:
+    """The operations with a last sentence that a length bound cut short dropped from their
+    text (:func:`~combee_stream.core.hygiene.without_cut_sentence`): a grammar-bounded small
+    model writes to the bound, and what it was saying when cut is no part of a rule."""
+    out: list[Operation] = []
+    for op in operations:
+        if isinstance(op, AddOp | UpdateOp):
+            op = msgspec.structs.replace(op, content=without_cut_sentence(op.content))
+        out.append(op)
+    return out
 
 
 _NO_LESSON = frozenset({"", "none", "n a", "no lesson", "nothing"})
