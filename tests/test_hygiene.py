@@ -193,3 +193,18 @@ def test_a_sentence_a_length_bound_cut_short_is_dropped_and_a_rule_across_senten
     )  # nothing whole before it: left for the review to judge
     # "did not round" two sentences later is no "A, not A".
     assert not contradicts_itself(cut)
+    # "..., but the agent used A", what the 1.5B curator wrote too.
+    assert contradicts_itself(
+        "The formula should be P_1 = (S_1 / S_0) * P_0, but the agent used P_1 = (S_1 / S_0) * "
+        "P_0, which is incorrect."
+    )
+
+
+def test_a_bullet_carrying_the_tasks_own_decimal_data_is_an_instance() -> None:
+    task = "Calculate the beta of a stock with a 0.032 covariance and a 0.065 market variance."
+    instance = (
+        "When calculating the beta of a stock with a 0.032 covariance, divide by the variance."
+    )
+    rule = "When the question asks for 2 decimal places, round the whole expression to 2 places."
+    delta = Delta(key=KEY, operations=[AddOp(section="S", content=t) for t in (instance, rule)])
+    assert review_adds(playbook(), delta, [task]) == {0: "restates_task"}

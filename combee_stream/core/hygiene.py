@@ -13,10 +13,10 @@ is counted by reason in the version's stats (``UpdateStats.skipped``):
   ("monthly ... 12" against "quarterly ... 4"), stay apart; the optional embedding dedup
   catches rewordings beyond that.
 - ``restates_task``: most of the bullet's words come from its own task (``RESTATED`` of its
-  content words) or it repeats a number of four digits or more that the task gave: an
-  instance, not a lesson. A bullet whose formula the task itself states (every operator and
-  the words beside it are in the task: ACE's Formula tasks quote their formula) is no lesson
-  either.
+  content words) or it repeats a number of four digits or more, or with a fractional part,
+  that the task gave: an instance, not a lesson. A bullet whose formula the task itself
+  states (every operator and the words beside it are in the task: ACE's Formula tasks quote
+  their formula) is no lesson either.
 - ``contradicts_itself``: "the formula should be A, not A": the fix and the error are the same
   words (a 1.5B reflector wrote this on about one trace in five, mostly on successes).
 - ``too_long``: longer than ``learning.max_bullet_chars`` (a lesson is a rule, not a document:
@@ -103,7 +103,9 @@ DEFAULT_POLICY: Final = (
 )
 QUOTED_WORDS: Final = 6
 _QUOTED = re.compile(r'"([^"\n]{6,400})"|“([^”\n]{6,400})”|`([^`\n]{6,400})`')
-_BIG_NUMBER = re.compile(r"\d[\d,]{3,}(?:\.\d+)?")
+# A number of four digits or more, or one with a fractional part ("0.032"): the instance's
+# own data, where a rule's numbers are small counts ("2 decimal places", "12 months").
+_BIG_NUMBER = re.compile(r"\d[\d,]{3,}(?:\.\d+)?|\d+\.\d+")
 _ANY_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 # A rendered bullet's id ("strat-00008]") or counters ("helpful=0"): playbook markup.
 _MARKUP = re.compile(r"\b[a-z]{2,6}-\d{5}\]|\b(?:helpful|harmful)\s*=\s*\d")
@@ -114,7 +116,8 @@ _OPERATOR_TERM = re.compile(r"[\w)]+\s*[*/=^]\s*[\w(]+|[\w)]+\s+[-+]\s+[\w(]+")
 _CALL = re.compile(r"\b[a-z_]\w*\(")
 # "... should be A, not B" / "... is A, not B", within one clause (no sentence break in A).
 _NOT_X = re.compile(
-    r"(?:should be|must be|is|are|use|uses)\s+([^.;:]{3,200}?),\s*not\s+([^.;]{3,200})"
+    r"(?:should be|must be|is|are|use|uses)\s+([^.;:]{3,200}?),\s*"
+    r"(?:not|but (?:the agent |it )?(?:used|wrote|applied))\s+([^.;,]{3,200})"
 )
 # An UPDATE keeps a bullet's meaning when it keeps this share of its content words.
 KEPT_MEANING: Final = 0.7
