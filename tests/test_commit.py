@@ -191,3 +191,48 @@ def test_a_proposal_for_another_key_or_an_older_version_is_refused() -> None:
             proposal("x"), new_playbook("other"), learning=LearningConfig(), gate=AcceptAll(),
             review=reviewing(BUDGET), consolidate=no_consolidation, max_update_bytes=None,
         )  # fmt: skip
+
+
+def test_a_new_bullet_close_to_another_has_the_candidate_consolidated_before_review() -> None:
+    from combee_stream.core.playbook import has_similar_bullets
+
+    async def embed(texts: list[str]) -> list[list[float]]:
+        # Rounding rules point one way, the rest another: cosine 1 between the first two.
+        return [[1.0, 0.0] if "round" in t else [0.0, 1.0] for t in texts]
+
+    async def similar(playbook: Playbook, new: set[str]) -> bool:
+        return await has_similar_bullets(playbook, new, embed, 0.6)
+
+    async def merge(
+        playbook: Playbook, stats: WindowStats
+    ) -> tuple[Playbook, Consolidation | None]:
+        out = playbook.__copy__()
+        rounding = [b for s in playbook.sections for b in s.bullets if "round" in b.content]
+        keep = [b for s in playbook.sections for b in s.bullets if "round" not in b.content]
+        merged = msgspec.structs.replace(rounding[0], content="round every ratio as asked")
+        out.sections = [msgspec.structs.replace(playbook.sections[0], bullets=[merged, *keep])]
+        report = Consolidation(tokens_before=0, tokens_after=0, merged=[[b.id for b in rounding]])
+        return out, report
+
+    def commit(gate: Recording, *lessons: str) -> WindowResult:
+        async def main() -> WindowResult:
+            ladder = Commit(
+                proposal(*lessons), new_playbook(KEY),
+                learning=LearningConfig(token_budget=BUDGET, consolidate_at=0), gate=gate,
+                review=reviewing(BUDGET), consolidate=merge, max_update_bytes=None,
+                similar=similar,
+            )  # fmt: skip
+            return await ladder.run()
+
+        return anyio.run(main)
+
+    gate = Recording()
+    result = commit(gate, "round the Sharpe ratio", "round the CAPM return", "read the units")
+    # The gate saw one rounding rule, not two, and the version says it was consolidated.
+    assert gate.shown == [["round every ratio as asked", "read the units"]]
+    assert bullets(result.playbook) == gate.shown[0]
+    assert result.stats.consolidation is not None
+    # Nothing close: no consolidation, the gate sees the window as it is.
+    plain = Recording()
+    assert commit(plain, "round the Sharpe ratio", "read the units").stats.consolidation is None
+    assert plain.shown == [["round the Sharpe ratio", "read the units"]]

@@ -106,6 +106,13 @@ def register(subparsers: Any) -> None:
         default="cited",
         help="learning.reflect_successes of the learners (default: cited, for a small reflector)",
     )
+    q.add_argument(
+        "--merge-similar",
+        type=float,
+        default=0.5,
+        metavar="COSINE",
+        help="learning.merge_similar of the learners (default 0.5; 0 = off)",
+    )
     q.add_argument("--work", type=Path, default=None, help="traces and playbooks (resumable)")
     broker = parser.add_argument_group("local Kafka broker (saturation, overhead, latency)")
     broker.add_argument("--broker-port", type=int, default=None, help="default: broker.port")
@@ -206,13 +213,22 @@ async def _quality(config: Config, args: argparse.Namespace, quick: bool) -> qua
         sequential_n=args.sequential_n,
         gate=not args.no_gate,
         reflect_successes=args.reflect_successes,
+        merge_similar=args.merge_similar,
+        seed=args.seed,
     )
     # A 1.5B reflector asked about a success that cited nothing writes noise ("the formula
     # should be A, not A"): by default the suite's learners read only failures and successes
-    # that cited bullets (learning.reflect_successes = "cited"); --reflect-successes all is ACE.
+    # that cited bullets (learning.reflect_successes = "cited"; --reflect-successes all is
+    # ACE), and a rule its curator states once per formula is merged into one
+    # (learning.merge_similar, by the embedding model served beside the local model).
     config = msgspec.structs.replace(
         config,
-        learning=msgspec.structs.replace(config.learning, reflect_successes=args.reflect_successes),
+        learning=msgspec.structs.replace(
+            config.learning,
+            reflect_successes=args.reflect_successes,
+            merge_similar=args.merge_similar,
+            seed=args.seed,
+        ),
     )
     if settings.gate:
         # The replay gate as the engine runs it, its held-out tasks drawn from the training

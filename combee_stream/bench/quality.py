@@ -81,6 +81,8 @@ class QualitySettings(Struct, kw_only=True):
     sequential_n: int = 0  # sequential learns from this prefix of the stream (0: all of it)
     gate: bool = True  # the replay gate reviews every candidate
     reflect_successes: str = "all"  # learning.reflect_successes of the learners
+    merge_similar: float = 0.0  # learning.merge_similar of the learners
+    seed: int = 0  # learning.seed (the shuffle); the held-out key is the work folder's secret
     endpoints: dict[str, str] = {}  # role -> "model at base_url"
 
 
@@ -520,7 +522,12 @@ def _notes(s: QualitySettings, capacity: Capacity) -> list[str]:
             "cited": "only those citing bullets (the rest learned without a call)",
             "none": "none",
         }.get(s.reflect_successes, s.reflect_successes)
-        + "; "
+        + (
+            f"; similar bullets merged at MiniLM cosine {s.merge_similar:g}"
+            if s.merge_similar
+            else ""
+        )
+        + f"; shuffle seed {s.seed}; "
         + (
             "replay gate on (a quarter of the stream held out by hash, at least 10 tasks)."
             if s.gate

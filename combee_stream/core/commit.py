@@ -10,7 +10,9 @@ steps (:class:`Commit`), each of which may narrow what the version carries:
    the token budget;
 4. **consolidation** — near the budget (tokens, or the version's bytes near
    ``max_update_bytes``): the window's result consolidated; if that does not fit, the playbook
-   alone, and the window applied onto it. One version either way; the gate reviews it whole;
+   alone, and the window applied onto it. One version either way; the gate reviews it whole.
+   Also (``learning.merge_similar``) when a new bullet is close to another of its section by
+   embeddings: the candidate consolidated, so a rule stated once per case becomes one;
 5. **size** — a candidate over ``max_update_bytes`` is not reviewed (it cannot be published):
    it falls back;
 6. **gate** — the publish gate reviews the candidate; **blame-prune**: when it blames new
@@ -107,6 +109,7 @@ class Commit:
         holdout: Holdout | None = None,
         held_out: Sequence[Source] = (),
         measure: Callable[[WindowResult], int] | None = None,
+        similar: Callable[[Playbook, set[str]], Awaitable[bool]] | None = None,
     ) -> None:
         if onto.key != proposal.key:
             raise ValueError(f"proposal for key {proposal.key!r} committed to {onto.key!r}")
@@ -125,6 +128,7 @@ class Commit:
         self._holdout = holdout
         self._held_out = list(held_out)
         self._measure = measure
+        self._similar = similar
         self._limit = max_update_bytes if measure is not None else None
         self._stats = msgspec.structs.replace(
             proposal.stats, stale_by=onto.version - proposal.snapshot_version
@@ -147,6 +151,7 @@ class Commit:
         self._take_pending()
         result = await self._within_budget(self._onto)
         result = await self._consolidated_near_budget(result)
+        result = await self._merged_similar(result)
         applied_delta = self._delta
         self._rejection = result.rejected
         if not result.applied:
@@ -228,6 +233,20 @@ class Commit:
         if self._consolidation is not None:
             return await self._within_budget(self._base)
         return result
+
+    async def _merged_similar(self, result: ApplyResult) -> ApplyResult:
+        """A new bullet that says what another of its section says (``similar``, the
+        learner's embedding check): the candidate consolidated, so the two become one rule."""
+        similar = self._similar
+        if similar is None or self._consolidation is not None or not result.applied:
+            return result
+        if not await similar(result.playbook, set(result.added)):
+            return result
+        merged, consolidation = await self._consolidate(result.playbook, self._stats)
+        if consolidation is None or not self._fits(narrowed := narrowed_to(result, merged)):
+            return result
+        self._consolidation = consolidation
+        return narrowed
 
     def _fits_size(self, result: ApplyResult) -> bool:
         """Measured before the gate: a candidate that cannot be published is not reviewed

@@ -93,6 +93,7 @@ from combee_stream.core.playbook import (
     SkipReason,
     apply,
     apply_semantic,
+    has_similar_bullets,
     normalize,
     playbook_tokens,
 )
@@ -454,10 +455,11 @@ class Learner:
         window's ``held_out`` traces already in them. ``measure``: the bytes of the version a
         result makes (the driver's :meth:`~combee_stream.core.versions.KeyChain.measure`),
         bounded by the learner's ``max_update_bytes``; without it nothing bounds the size."""
+        similar = self._similar if self._embed is not None and self._config.merge_similar else None
         ladder = Commit(
             proposal, onto, learning=self._config, gate=self._gate, review=self._apply,
             consolidate=self.consolidate, max_update_bytes=self.max_update_bytes,
-            holdout=holdout, held_out=held_out, measure=measure,
+            holdout=holdout, held_out=held_out, measure=measure, similar=similar,
         )  # fmt: skip
         return await ladder.run()
 
@@ -466,6 +468,13 @@ class Learner:
         (:func:`~combee_stream.core.commit.size_rejected`): what a driver publishes when the
         broker refuses ``result``'s record (``would_be``: its size)."""
         return size_rejected(result, onto, would_be, self.max_update_bytes)
+
+    async def _similar(self, playbook: Playbook, new: set[str]) -> bool:
+        assert self._embed is not None
+        try:
+            return await has_similar_bullets(playbook, new, self._embed, self._config.merge_similar)
+        except LLMCallError as exc:
+            raise WindowError(playbook.key, f"embedding similar bullets: {exc}") from exc
 
     async def consolidate(
         self, playbook: Playbook, stats: WindowStats

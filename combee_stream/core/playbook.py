@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import re
 import unicodedata
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Final, Literal
 
 from msgspec import Struct
@@ -305,6 +305,31 @@ async def near_duplicate_adds(
         else:
             kept.append(vector)
     return dropped
+
+
+async def has_similar_bullets(
+    playbook: Playbook, new: Collection[str], embed: EmbedFn, threshold: float
+) -> bool:
+    """Whether a bullet of ``new`` has a bullet of its own section at cosine >= ``threshold``
+    (one embed call for the sections that hold a new bullet)."""
+    sections = [s for s in playbook.sections if len(s.bullets) > 1 and bullet_ids_of(s) & set(new)]
+    bullets = [b for s in sections for b in s.bullets]
+    if not bullets:
+        return False
+    vectors = await embed([b.content for b in bullets])
+    if len(vectors) != len(bullets):
+        raise ValueError(f"embed returned {len(vectors)} vectors for {len(bullets)}")
+    at = {b.id: v for b, v in zip(bullets, vectors, strict=True)}
+    for section in sections:
+        for i, a in enumerate(section.bullets):
+            for b in section.bullets[i + 1 :]:
+                if (a.id in new or b.id in new) and cosine(at[a.id], at[b.id]) >= threshold:
+                    return True
+    return False
+
+
+def bullet_ids_of(section: Section) -> set[str]:
+    return {b.id for b in section.bullets}
 
 
 # --------------------------------------------------------------------------- apply
