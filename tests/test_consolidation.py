@@ -121,3 +121,46 @@ async def test_consolidation_merges_duplicates_drops_the_harmful_and_rewrites_no
     assert untouched == bullets[2]  # not a duplicate: not rewritten
     assert report.tokens_after < report.tokens_before
     assert book.sections[0].bullets == bullets  # the input is not modified
+
+
+@pytest.mark.anyio
+async def test_a_merge_that_drops_what_a_bullet_said_is_refused() -> None:
+    from combee_stream.config import LearningConfig
+    from combee_stream.core.learner import Learner
+    from combee_stream.core.outputs import ConsolidatorOutput, Merge
+    from combee_stream.llm import Completion
+    from combee_stream.wiring import load_prompts
+
+    npv = "When discounting cash flows given in thousands, write them in full units."
+    sharpe = "When computing a Sharpe ratio, round it to the decimals the question asks for."
+    capm = "When computing a CAPM return, round it to the decimals the question asks for."
+    # What a 1.5B consolidator answered for such a section: all three into the first one.
+    bad = Merge(bullet_ids=["s-1", "s-2", "s-3"], content=npv)
+    good = Merge(bullet_ids=["s-2", "s-3"], content="When computing a ratio, round it as asked.")
+
+    class Consolidator:
+        def __init__(self, merge: Merge) -> None:
+            self.merge = merge
+
+        async def complete(self, role: str, messages: object, output_type: object) -> Completion:  # type: ignore[type-arg]
+            value = ConsolidatorOutput(merges=[self.merge])
+            return Completion(value=value, tokens_in=1, tokens_out=1, cached=False, attempts=1,
+                              latency_s=0.0)  # fmt: skip
+
+    async def embed(texts: list[str]) -> list[list[float]]:
+        # Rounding rules point one way, the rest another.
+        return [[1.0, 0.0] if "round" in t else [0.0, 1.0] for t in texts]
+
+    book = new_playbook(KEY)
+    bullets = [Bullet(id=f"s-{i}", content=t) for i, t in enumerate((npv, sharpe, capm), 1)]
+    book.sections = [Section(name="STRATEGIES & INSIGHTS", bullets=bullets)]
+    for merge, expected in ((bad, None), (good, [["s-2", "s-3"]])):
+        learner = Learner(
+            Consolidator(merge), LearningConfig(), prompts=load_prompts(), embed=embed,  # type: ignore[arg-type]
+        )  # fmt: skip
+        out, report = await learner.consolidate(book, learner.new_stats())
+        if expected is None:
+            assert report is None and out == book  # refused: the section as it was
+        else:
+            assert report is not None and report.merged == expected
+            assert [b.content for b in out.sections[0].bullets] == [npv, good.content]
