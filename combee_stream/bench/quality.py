@@ -529,7 +529,8 @@ def _notes(s: QualitySettings, capacity: Capacity) -> list[str]:
         )
         + f"; shuffle seed {s.seed}; "
         + (
-            "replay gate on (a quarter of the stream held out by hash, at least 10 tasks)."
+            "replay gate on (a quarter of the stream held out by hash; reviews from 10 tasks, "
+            "margin 0.15, and no candidate answering fewer of them than its parent)."
             if s.gate
             else "replay gate off."
         ),

@@ -95,8 +95,16 @@ async def run_live_demo(args: argparse.Namespace, config: Config) -> int:
         cfg = msgspec.structs.replace(
             cfg,
             engine=msgspec.structs.replace(cfg.engine, metrics_port=0, max_wait_s=30.0),
+            # A small local model learns as bench quality measures it: the reflector reads
+            # failures and the successes that cited bullets, and a rule its curator states once
+            # per case is merged into one (by the embedding model served beside it).
             learning=msgspec.structs.replace(
-                cfg.learning, batch_size="auto", min_batch_size=3, max_batch_size=12
+                cfg.learning,
+                batch_size="auto",
+                min_batch_size=3,
+                max_batch_size=12,
+                reflect_successes="cited",
+                merge_similar=0.5 if cfg.llm.embeddings.enabled else 0.0,
             ),
         )
         view = View(cfg.llm.agent.model, len(train))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Final
 
 from combee_stream.tasks.base import Task
@@ -159,11 +159,14 @@ FAMILIES: Final[dict[str, Callable[[random.Random], Problem]]] = {
 }
 
 
-def generate_tasks(n: int, seed: int = 0) -> list[Task]:
-    """``n`` tasks, the families in turn (so any prefix is balanced), numbers drawn from
-    ``random.Random(seed)``."""
+def generate_tasks(n: int, seed: int = 0, families: Sequence[str] = ()) -> list[Task]:
+    """``n`` tasks, the families in turn (so any prefix is balanced; ``families``: only these,
+    default all), numbers drawn from ``random.Random(seed)``."""
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        raise ValueError(f"unknown task families {unknown}; known: {', '.join(FAMILIES)}")
     rng = random.Random(f"combee-finance:{seed}")
-    names = list(FAMILIES)
+    names = list(families) or list(FAMILIES)
     tasks = []
     for index in range(n):
         family = names[index % len(names)]
