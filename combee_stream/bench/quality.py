@@ -270,14 +270,22 @@ async def run_quality(config: Config, settings: QualitySettings, out: Path) -> Q
         t for t in load_tasks(s.held_out, limit=s.held_out_n + s.train_n) if t.question not in seen
     ]
     held_out = held_out[: s.held_out_n]
-    capacity = await measure_capacity(
-        config.llm.agent.base_url, config.llm.agent.model, s.concurrency
-    )
+    phases = _Phases.load(out)
+    if phases.capacity is None:  # measured once per work folder, as its run began
+        phases.capacity = await measure_capacity(
+            config.llm.agent.base_url, config.llm.agent.model, s.concurrency
+        )
+        phases.save(out)
+    capacity = phases.capacity
 
     traces_path = out / "train_traces.jsonl"
     train_accuracy, train_wall = await training_traces(
         config, train, traces_path, s.key, s.concurrency
     )
+    if train_wall:  # the time of the traces made by this invocation, added to the earlier
+        phases.train_wall_s += train_wall
+        phases.save(out)
+    train_wall = phases.train_wall_s
 
     base = await _evaluated(config, "", held_out, "base", out, s.concurrency)
     rows = [_row("base", base, None)]
@@ -325,6 +333,24 @@ async def run_quality(config: Config, settings: QualitySettings, out: Path) -> Q
         targets=_targets(rows, combee_vs_naive),
         notes=_notes(s, capacity),
     )
+
+
+class _Phases(Struct, kw_only=True):
+    """What a work folder's earlier invocations measured (``phases.json``): a rerun that
+    reuses their traces reports their time and the endpoint's capacity as measured then."""
+
+    capacity: Capacity | None = None
+    train_wall_s: float = 0.0
+
+    @staticmethod
+    def load(out: Path) -> _Phases:
+        path = out / "phases.json"
+        if not path.is_file():
+            return _Phases()
+        return msgspec.json.decode(path.read_bytes(), type=_Phases)
+
+    def save(self, out: Path) -> None:
+        (out / "phases.json").write_bytes(msgspec.json.encode(self))
 
 
 def _holdout_secret(out: Path) -> str:
