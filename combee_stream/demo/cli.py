@@ -8,8 +8,9 @@ from typing import Any
 
 from combee_stream.config import Config
 from combee_stream.demo.common import engine_logs
-from combee_stream.demo.live import run_live_demo
+from combee_stream.demo.live import DEMO_FAMILIES, run_live_demo
 from combee_stream.demo.sim import run_sim_demo
+from combee_stream.tasks.generated import FAMILIES
 
 
 def register(sub: Any) -> None:
@@ -23,6 +24,12 @@ def register(sub: Any) -> None:
     parser.add_argument("--held-out", type=int, default=30, help="tasks of the before/after")
     parser.add_argument("--model", default=None, help="local model (default: local_llm.model)")
     parser.add_argument("--seed", type=int, default=None, help="task seed (default: random)")
+    parser.add_argument(
+        "--families",
+        default=",".join(DEMO_FAMILIES),
+        help=f"task families, comma-separated (default: {','.join(DEMO_FAMILIES)}; all: "
+        f"{','.join(FAMILIES)})",
+    )
     # the simulated demo
     parser.add_argument("--traces", type=int, default=120, help="--sim: synthetic traces to send")
     parser.add_argument("--keys", type=int, default=2, help="--sim: keys")
