@@ -184,8 +184,10 @@ async def test_ingest_quick(config: Config) -> None:
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_gate_quick(config: Config) -> None:
-    """Both runs consume the whole stream; the gated one publishes no regression beyond its
-    margin, and its extra calls are the agent's."""
+    """Both runs consume the whole stream; the stream's poison reaches the ungated run's
+    versions, and the gated one publishes neither a poisoned version nor a regression beyond
+    its margin (whether by refusing a window or by pruning the bullets it blames); its extra
+    calls are the agent's."""
     from combee_stream.bench.gate import gate_settings, markdown, run_gate
 
     settings = gate_settings(quick=True, seed=0)
@@ -193,7 +195,8 @@ async def test_gate_quick(config: Config) -> None:
     plain, gated = report.runs
     assert (plain.gate, gated.gate) == ("none", "replay")
     assert plain.llm_calls.get("agent", 0) == 0 < gated.llm_calls["agent"]
-    assert gated.regressions == 0 and gated.refused > 0
+    assert plain.poisoned_versions > 0 and plain.regressions > 0
+    assert gated.poisoned_versions == 0 and gated.regressions == 0
     assert 0 <= gated.worse_share <= 1 and 0 <= plain.worse_share <= 1
     assert "Simulated LLM" in markdown(report)
 

@@ -183,12 +183,15 @@ def test_a_sentence_a_length_bound_cut_short_is_dropped_and_a_rule_across_senten
         "When calculating the Sharpe Ratio, round the result to two decimal places as the task "
         "asks. This ensures that the answer is accurate. When the agent did not round the result, "
     )
-    kept = without_cut_sentence(cut)
+    kept = without_cut_sentence(cut, len(cut))
     assert kept.endswith("This ensures that the answer is accurate.")
-    assert without_cut_sentence("When asked for two decimals, round(x, 2).") == (
+    # Shorter than the bound (or no bound): written without a full stop, not cut.
+    assert without_cut_sentence(cut, len(cut) + 100) == cut
+    assert without_cut_sentence(cut, 0) == cut
+    assert without_cut_sentence("When asked for two decimals, round(x, 2).", 41) == (
         "When asked for two decimals, round(x, 2)."
     )
-    assert without_cut_sentence("a single sentence cut short by the bou") == (
+    assert without_cut_sentence("a single sentence cut short by the bou", 38) == (
         "a single sentence cut short by the bou"
     )  # nothing whole before it: left for the review to judge
     # "did not round" two sentences later is no "A, not A".

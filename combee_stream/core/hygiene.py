@@ -207,12 +207,14 @@ def _text_problem(
     return None
 
 
-def without_cut_sentence(text: str) -> str:
+def without_cut_sentence(text: str, bound: int) -> str:
     """``text`` without a last sentence that stops short (no closing punctuation) when a whole
-    sentence precedes it: what a grammar's length bound leaves of a small model's reply ("...
-    round the result to two decimals. When the agent did not round the result, ")."""
+    sentence precedes it and ``text`` is as long as the grammar's string bound (``bound``
+    characters, 0: unbounded, nothing is cut): what the bound leaves of a small model's reply
+    ("... round the result to two decimals. When the agent did not round the result, "). A
+    shorter text that ends without a full stop was written that way, not cut."""
     stripped = text.rstrip()
-    if not stripped or stripped[-1] in ".!?)]\"'`":
+    if not bound or len(text) < bound - 2 or not stripped or stripped[-1] in ".!?)]\"'`":
         return text
     end = max(stripped.rfind(". "), stripped.rfind("! "), stripped.rfind("? "))
     if end < 0:

@@ -200,6 +200,7 @@ class Learner:
         holdout: HoldoutPolicy | None = None,
         max_update_bytes: int | None = None,
         update_size: UpdateSize | None = None,
+        string_bounds: Mapping[str, int] | None = None,
     ) -> None:
         if (max_update_bytes is None) != (update_size is None):
             raise ValueError("max_update_bytes and update_size bound a version together")
@@ -213,6 +214,9 @@ class Learner:
         self._embed = embed
         self._threshold = dedup_threshold
         self._gate: PublishGate = gate or AcceptAll()
+        # The longest string each role's reply grammar allows (llm.<role>.max_string_chars):
+        # a text that long ending mid-sentence was cut there (see tidied).
+        self._bounds = dict(string_bounds or {})
         self._prompts = prompts
         self.spec: StrategySpec = strategy(strategy_name or learning.strategy)
         self.params = ScanParams(
@@ -384,7 +388,7 @@ class Learner:
                 self._prompts, tagged, group, progress=progress, token_budget=budget
             )
             out = await self._call("curator", messages, CuratorOutput, stats)
-            operations = tidied(out.operations)
+            operations = tidied(out.operations, self._bounds.get("curator", 0))
             group_tasks = [rec.task for rec in group if rec.task]
             for op in operations:
                 if isinstance(op, AddOp):
@@ -400,7 +404,11 @@ class Learner:
         async def combine(partials: Sequence[Delta]) -> Delta:
             messages = combiner_messages(self._prompts, tagged, partials, token_budget=budget)
             out = await self._call("combiner", messages, CuratorOutput, stats)
-            return Delta(key=key, operations=tidied(out.operations), base_version=snapshot.version)
+            return Delta(
+                key=key,
+                operations=tidied(out.operations, self._bounds.get("combiner", 0)),
+                base_version=snapshot.version,
+            )
 
         try:
             tree_delta, tree = await reduce_tree(
@@ -535,7 +543,9 @@ class Learner:
             for group_of in proposal.merges:
                 by_id = {b.id: b for b in section.bullets}
                 ids = list(dict.fromkeys(group_of.bullet_ids))
-                text = without_cut_sentence(group_of.content.strip())
+                text = without_cut_sentence(
+                    group_of.content.strip(), self._bounds.get("curator", 0)
+                )
                 if (
                     len(ids) < 2
                     or any(i not in by_id for i in ids)
@@ -631,14 +641,15 @@ class Learner:
         return completion.value
 
 
-def tidied(operations: Sequence[Operation]) -> list[Operation]:
-    """The operations with a last sentence that a length bound cut short dropped from their
-    text (:func:`~combee_stream.core.hygiene.without_cut_sentence`): a grammar-bounded small
-    model writes to the bound, and what it was saying when cut is no part of a rule."""
+def tidied(operations: Sequence[Operation], bound: int) -> list[Operation]:
+    """The operations with a last sentence that the grammar's length bound (``bound``
+    characters a string, 0: none) cut short dropped from their text
+    (:func:`~combee_stream.core.hygiene.without_cut_sentence`): a grammar-bounded small model
+    writes to the bound, and what it was saying when cut is no part of a rule."""
     out: list[Operation] = []
     for op in operations:
         if isinstance(op, AddOp | UpdateOp):
-            op = msgspec.structs.replace(op, content=without_cut_sentence(op.content))
+            op = msgspec.structs.replace(op, content=without_cut_sentence(op.content, bound))
         out.append(op)
     return out
 

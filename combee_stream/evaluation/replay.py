@@ -252,15 +252,22 @@ class ReplayGate:
         # parent fails too; this can. One wrong answer is not enough: a general rule ("round
         # to the decimals asked") is cited on nearly every task, also on those the agent still
         # gets wrong for another reason, and blaming it there pruned a real run's best lesson.
+        # A bullet is also blamed when it broke more of the tasks the parent answered right
+        # than it kept right: those tasks' ground truth is corroborated by the parent, while
+        # a "fixed" task's may be a producer's (held-out traces carrying forged answers make a
+        # poisoned rule look right on them, and counting those let a poisoned bullet through).
         # The learner tries the candidate once more without them.
         old = {b.id for s in candidate.parent.sections for b in s.bullets}
         wrong: Counter[str] = Counter()
         right: Counter[str] = Counter()
-        for i, c in enumerate(new):
-            (right if c >= 1.0 else wrong).update(
-                b for b in dict.fromkeys(scores[i, 1].cited) if b not in old
-            )
-        blame = [b for b in wrong if wrong[b] > right[b]]
+        broken: Counter[str] = Counter()
+        kept: Counter[str] = Counter()
+        for i, (a, c) in enumerate(zip(current, new, strict=True)):
+            cited = [b for b in dict.fromkeys(scores[i, 1].cited) if b not in old]
+            (right if c >= 1.0 else wrong).update(cited)
+            if a >= 1.0:
+                (kept if c >= 1.0 else broken).update(cited)
+        blame = [b for b in {**wrong, **broken} if wrong[b] > right[b] or broken[b] > kept[b]]
         return Verdict(
             accepted=accepted, reason=reason, report=report, holdout=holdout, blame=blame
         )
