@@ -314,9 +314,17 @@ class IngestConfig(_Section):
     state_topic: str = "combee.ingest.state"
     encoding: Literal["otlp_proto", "otlp_json"] = "otlp_proto"
     group_id: str = "combee-ingest"
+    # Whether a trace's spans, logs and feedback reach one partition number (the exporter keyed
+    # by trace id: what several instances need). When false, one instance reads every
+    # partition, and a trace completes only while this member holds them all (a restarted
+    # one waits for the dead member's session to end: a trace split across partitions is
+    # never written from part of its spans).
+    spans_keyed: bool = False
     # A trace is complete when its root span has ended and no span of it arrived for this long.
     gap_s: PositiveFloat = 5.0
-    # A trace with no root span after this long (since its first span) is dead-lettered.
+    # A trace with no root span after this long (since its first span) is dead-lettered. Keep
+    # it well above kafka.session_timeout_ms: a run's spans may sit on every partition, and a
+    # dead member's partitions are reassigned only after its session times out.
     trace_timeout_s: PositiveFloat = 300.0
     # Open traces with spans held at once; past it the spans topic's partitions are paused
     # (the logs and feedback topics are not: the traces waiting need their feedback).

@@ -505,7 +505,14 @@ async def test_a_killed_ingest_stage_loses_and_duplicates_no_trace(
     every trace on the traces topic exactly once."""
     async with sim_server(SimSettings(seed=SEED)) as sim:
         cfg = engine_config(config, unique, sim.base_url)
-        cfg = ingest_config(cfg, unique, gap_s=1.0)
+        # A killed member's partitions come back only after its session times out (10 s) and
+        # the group rebalances, and a run's spans are spread over every partition: until then
+        # the new member completes no trace (it would lack the spans the dead member's
+        # partitions hold: 16 late_span letters in a run before it waited), so the trace
+        # timeout must outlast the session (with the 8 s of the other tests, 8 of 30 traces
+        # were dead-lettered).
+        session_s = cfg.kafka.session_timeout_ms / 1000
+        cfg = ingest_config(cfg, unique, gap_s=1.0, trace_timeout_s=3 * session_s)
         runs = await agent_runs(sim.base_url, 30, ["calc-a", "calc-b", "calc-c"])
         rng = random.Random(11)
 

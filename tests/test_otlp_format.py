@@ -7,6 +7,7 @@ the SDK's own OTLP encoder (``tests/otel_agent.py``). No protobuf bytes are writ
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import random
 
@@ -232,8 +233,12 @@ def test_instrumented_agent_maps_to_a_trace(runs: dict[str, AgentRun]) -> None:
     root = root_span(spans)
     assert root is not None and root.name == "invoke_agent calc-agent"
     assert trace.started_at is not None and trace.finished_at is not None
-    assert trace.started_at.timestamp() == pytest.approx(root.start_ns / 1e9, abs=1e-6)
-    assert trace.finished_at.timestamp() == pytest.approx(root.end_ns / 1e9, abs=1e-6)
+    # A datetime holds whole microseconds: the span's nanoseconds, truncated (compared as
+    # integers: as float seconds near 1.8e9 a truncated microsecond can look like more than 1e-6).
+    epoch = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+    micro = dt.timedelta(microseconds=1)
+    assert (trace.started_at - epoch) // micro == root.start_ns // 1000
+    assert (trace.finished_at - epoch) // micro == root.end_ns // 1000
     chats = [s for s in spans if s.attributes.get("gen_ai.operation.name") == "chat"]
     assert len(chats) == 2
     tokens_in = sum(s.attributes["gen_ai.usage.input_tokens"] for s in chats)

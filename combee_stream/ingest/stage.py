@@ -19,8 +19,8 @@ Choices the design leaves open, recorded here:
   trace its successor writes too; the engine skips a trace id its key has already seen
   (``engine.dedup_horizon``), so such a trace is still learned once.
 - Spans, log records and feedback of one trace must reach one instance: with several
-  instances, run the Collector's Kafka exporter with ``partition_traces_by_id`` and
-  ``partition_logs_by_trace_id`` (keyed by the hex trace id) and
+  instances, set ``ingest.spans_keyed`` and run the Collector's Kafka exporter with
+  ``partition_traces_by_id`` and ``partition_logs_by_trace_id`` (keyed by the hex trace id) and
   ``record_partitioner: {sticky_key: {hasher: murmur2}}``: its default hasher (``sarama_compat``,
   FNV-1a) puts a key in another partition than ``TraceProducer.send_feedback``, which keys by
   trace id with aiokafka's murmur2; the same partition count on the spans, logs and feedback
@@ -187,7 +187,7 @@ class IngestStage:
         paused = False
         last_flush = anyio.current_time()
         committed: dict[tuple[str, int], int] = {}
-        clock = _StreamClock()
+        clock = _StreamClock(keyed=cfg.spans_keyed)
         pending: list[Written | Rejected | DeadLetter] = []
         self._reading = True
         self.metrics.health.assigned = True
@@ -201,7 +201,7 @@ class IngestStage:
                 # Nothing is written twice: what was written is in the state topic.
                 rebalanced.moved = False
                 assembler, committed, pending = await self._assembler(), {}, []
-                clock = _StreamClock()
+                clock = _StreamClock(keyed=cfg.spans_keyed)
                 if consumer.assignment():
                     await consumer.seek_to_committed(*consumer.assignment())
                 paused = False
@@ -347,17 +347,29 @@ def _letter(item: Rejected) -> DeadLetter:
 class _StreamClock:
     """Record time per partition: the timestamp of the newest record read. A partition read to
     its end holds nothing back; one that lags holds the watermark at its newest record's time
-    (its next records may be spans of traces open now)."""
+    (its next records may be spans of traces open now). Unless a trace's input is keyed to one
+    partition number (``ingest.spans_keyed``), a partition of the topics read that this member
+    does not hold holds the watermark back entirely: while a dead member's session has not
+    timed out, it still holds partitions that carry spans of the traces open here, and a trace
+    written before they are read would be written without them (its spans then ``late_span``).
+    """
 
-    def __init__(self) -> None:
+    def __init__(self, *, keyed: bool) -> None:
         self._time: dict[TopicPartition, float] = {}
+        self._keyed = keyed
 
     def read(self, tp: TopicPartition, record: Any) -> None:
         self._time[tp] = max(self._time.get(tp, -math.inf), record.timestamp / 1000)
 
     async def watermark(self, consumer: AIOKafkaConsumer) -> float:
         mark = math.inf
-        for tp in consumer.assignment():
+        held = consumer.assignment()
+        if not self._keyed:
+            for topic in consumer.subscription():
+                partitions = consumer.partitions_for_topic(topic) or set()
+                if any(TopicPartition(topic, p) not in held for p in partitions):
+                    return -math.inf
+        for tp in held:
             # read_committed reads up to the last stable offset (not past open transactions)
             end = consumer.last_stable_offset(tp)
             end = consumer.highwater(tp) if end is None else end
