@@ -197,6 +197,8 @@ async def test_gate_quick(config: Config) -> None:
     assert plain.llm_calls.get("agent", 0) == 0 < gated.llm_calls["agent"]
     assert plain.poisoned_versions > 0 and plain.regressions > 0
     assert gated.poisoned_versions == 0 and gated.regressions == 0
+    # A new key holds out nothing at first: its first windows wait for the gate, none is lost.
+    assert gated.deferred > 0 and plain.deferred == 0
     assert 0 <= gated.worse_share <= 1 and 0 <= plain.worse_share <= 1
     assert "Simulated LLM" in markdown(report)
 

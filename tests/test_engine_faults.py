@@ -368,19 +368,27 @@ async def test_broker_down_past_the_deadline_halts_and_commits_nothing_unpublish
                 return len(await read_updates(cfg)) >= 2
 
             await wait_for(some_published, 90)
-            await anyio.to_thread.run_sync(stop_broker, kafka_broker)
-            # While the engine retries: /readyz says not ready and the failures are counted.
-            async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
-                with anyio.fail_after(120):
-                    while proc.poll() is None:
-                        try:
-                            ready = await http.get("/readyz")
-                            not_ready = not_ready or ready.status_code == 503
-                            metrics = (await http.get("/metrics")).text
-                            failures = max(failures, _sample(metrics, "combee_broker_failures"))
-                        except httpx2.TransportError:
-                            pass
-                        await anyio.sleep(0.2)
+
+            async def watch() -> None:
+                # While the engine retries: /readyz says not ready and the failures are
+                # counted. Watched from before the broker stops: stopping it can take longer
+                # than the 6 s deadline on a loaded machine.
+                nonlocal not_ready, failures
+                async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+                    with anyio.fail_after(120):
+                        while proc.poll() is None:
+                            try:
+                                ready = await http.get("/readyz")
+                                not_ready = not_ready or ready.status_code == 503
+                                metrics = (await http.get("/metrics")).text
+                                failures = max(failures, _sample(metrics, "combee_broker_failures"))
+                            except httpx2.TransportError:
+                                pass
+                            await anyio.sleep(0.2)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch)
+                await anyio.to_thread.run_sync(stop_broker, kafka_broker)
             assert proc.returncode == 1, log.read_text()[-3000:]
         finally:
             kill(proc)

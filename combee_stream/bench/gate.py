@@ -80,6 +80,7 @@ class GateRun(Struct, kw_only=True):
     gate: str  # "none" or "replay"
     versions: int
     refused: int
+    deferred: int  # versions published while too few tasks were held out (lessons waiting)
     final_accuracy: float
     best_accuracy: float
     mean_accuracy: float  # time-weighted over the run, from the first version
@@ -166,8 +167,10 @@ async def run_gate(config: Config, s: GateBenchSettings) -> GateReport:
         "Accuracy is the simulated agent's on the evaluation tasks: right if and only if the "
         "prompt carries the task's lesson and no poison for it. It measures which lessons a "
         "version carries, not what a real model would make of them.",
-        "With the gate, held-out traces are not learned, and windows before the held-out "
-        "sample reaches gate.min_samples are refused: both show in the final accuracy.",
+        "With the gate, held-out traces are not learned, and while fewer than gate.min_samples "
+        "tasks are held out the gate defers: a window's lessons wait for the next review (its "
+        "traces reach production with the first version that passes, which the latency "
+        "figures count).",
         "What the replay gate cannot see: a poison bullet for a lesson the key has not learned "
         "yet breaks no task the current version answers (both fail it), so it is published; "
         "it then keeps the right lesson from helping when it comes (the versions with poison "
@@ -235,21 +238,30 @@ async def _run(
         best = max(best, value)
     served = ended - published_at[0] if published_at else 0.0
     to_production: list[float] = []
-    refused = versions_refused = 0
+    refused = versions_refused = deferred = 0
+    waiting: list[float] = []  # read times of deferred windows' traces: their lessons wait
     for update, window, at in zip(sink.updates, sink.windows, published_at, strict=True):
         learned = set(update.stats.trace_ids)
+        read = [item.read_at for item in window.items if item.source.trace_id in learned]
         if update.stats.rejection is not None and update.stats.rejection.kind == "gate":
-            refused += len(learned)
+            refused += len(learned) + len(waiting)
             versions_refused += 1
+            waiting = []  # the pending operations were in the refused candidate
             continue
-        to_production += [
-            at - item.read_at for item in window.items if item.source.trace_id in learned
-        ]
+        if update.stats.deferred:
+            # Too few held-out tasks: the window's reviewed operations wait for the next
+            # review, so its traces reach production with the next version that passes.
+            deferred += 1
+            waiting += read
+            continue
+        to_production += [at - r for r in [*waiting, *read]]
+        waiting = []
     delays = [u.stats.delay_s for u in sink.updates]
     return GateRun(
         gate="replay" if gate.replay else "none",
         versions=len(sink.updates),
         refused=versions_refused,
+        deferred=deferred,
         final_accuracy=values[-1] if values else 0.0,
         best_accuracy=max(values, default=0.0),
         mean_accuracy=weighted / served if served else 0.0,
@@ -269,7 +281,7 @@ def markdown(report: GateReport) -> str:
     s = report.settings
     rows = [
         [
-            r.gate, r.versions, r.refused, r.regressions, r.poisoned_versions,
+            r.gate, r.versions, r.refused, r.deferred, r.regressions, r.poisoned_versions,
             f"{r.worse_share:.1%}",
             r.final_accuracy, r.mean_accuracy, r.best_accuracy,
             " ".join(f"{k}={v}" for k, v in r.llm_calls.items()),
@@ -280,7 +292,7 @@ def markdown(report: GateReport) -> str:
     ]  # fmt: skip
     body = table(
         [
-            "gate", "versions", "refused", "regressions", "versions with poison",
+            "gate", "versions", "refused", "deferred", "regressions", "versions with poison",
             "time worse than best earlier",
             "final acc.", "mean acc.", "best acc.", "LLM calls (paid)", "trace→production p50 s",
             "p95 s", "window delay mean s", "traces refused",

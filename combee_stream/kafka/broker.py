@@ -516,9 +516,28 @@ def _terminate(pid: int, paths: BrokerPaths) -> None:
         raise BrokerError(f"Kafka (pid {pid}) survived SIGKILL")
 
 
+def _exited(pid: int) -> bool:
+    """Every thread of ``pid`` has exited. A JVM's main thread can turn zombie (and its
+    cmdline empty) while its other threads still close the listeners: a restart then found
+    the controller port in use."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    for task in tasks:
+        try:
+            stat = Path(f"/proc/{pid}/task/{task}/stat").read_text()
+        except OSError:
+            continue
+        if stat.rpartition(")")[2].split()[0] not in ("Z", "X"):
+            return False
+    return True
+
+
 def _wait_gone(pid: int, paths: BrokerPaths, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
-    while _is_our_broker(pid, paths):
+    procfs = Path("/proc/self").exists()
+    while _is_our_broker(pid, paths) or (procfs and not _exited(pid)):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.1)
