@@ -441,3 +441,17 @@ def test_blame_falls_on_a_bullet_cited_on_more_wrong_answers_than_right_ones() -
     assert verdict.blame == ["b"]
     # No new bullet was cited on more wrong answers than right ones: none is blamed.
     assert _review(right, right - {0}, {0: ["a"], 1: ["a"]}).blame == []
+
+
+def test_answers_a_bullet_fixes_do_not_excuse_the_confirmed_ones_it_breaks() -> None:
+    """Tasks 0-9 right before (their answers confirmed by the parent), 10-39 wrong before.
+    "b" breaks 0-2 and "fixes" 10-19 (a poisoned rule on held-out traces whose answers a
+    producer forged: right and wrong no longer tell it apart); "a" keeps 3-9 right and is
+    cited on task 0 too (a rule beside the broken one, not blamed for it)."""
+    before = set(range(10))
+    after = (before - {0, 1, 2}) | set(range(10, 20))
+    cited = {i: ["b"] for i in [0, 1, 2, *range(10, 20)]}
+    cited.update({i: ["a"] for i in range(3, 10)})
+    cited[0] = ["a", "b"]
+    verdict = _review(before, after, cited)
+    assert verdict.blame == ["b"]  # 3 confirmed broken, 0 kept: though 10 right against 3 wrong
