@@ -61,7 +61,7 @@ def gate_note(update: PromptUpdate) -> str:
     if stats.gate is not None:
         g = stats.gate
         left = (
-            f", left out {len(g.pruned)} new bullet(s) cited on wrong answers" if g.pruned else ""
+            f", left out {len(g.pruned)} new bullet(s) blamed for wrong answers" if g.pruned else ""
         )
         return f"{held}; gate passed ({g.current:.0%} -> {g.candidate:.0%} on {g.n} tasks{left})"
     return held

@@ -96,7 +96,7 @@ async def run_sim_demo(args: argparse.Namespace, config: Config) -> int:
             engine.stop()
         say(
             f"   the content policy refused {refused} proposed bullet(s) carrying an injection; "
-            f"the gate left out {pruned} new bullet(s) cited on held-out tasks they broke"
+            f"the gate left out {pruned} new bullet(s) blamed for held-out tasks they got wrong"
         )
         newest = prompts.latest(keys[0])
         if newest is not None:
