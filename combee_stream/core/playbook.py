@@ -294,9 +294,7 @@ async def near_duplicate_adds(
     if not adds:
         return []
     existing = [b.content for s in playbook.sections for b in s.bullets]
-    vectors = await embed([*existing, *(a.content for a in adds)])
-    if len(vectors) != len(existing) + len(adds):
-        raise ValueError(f"embed returned {len(vectors)} vectors for {len(existing) + len(adds)}")
+    vectors = await embed_each(embed, [*existing, *(a.content for a in adds)])
     kept = list(vectors[: len(existing)])
     dropped: list[int] = []
     for i, vector in enumerate(vectors[len(existing) :]):
@@ -312,13 +310,13 @@ async def has_similar_bullets(
 ) -> bool:
     """Whether a bullet of ``new`` has a bullet of its own section at cosine >= ``threshold``
     (one embed call for the sections that hold a new bullet)."""
-    sections = [s for s in playbook.sections if len(s.bullets) > 1 and bullet_ids_of(s) & set(new)]
+    sections = [
+        s for s in playbook.sections if len(s.bullets) > 1 and any(b.id in new for b in s.bullets)
+    ]
     bullets = [b for s in sections for b in s.bullets]
     if not bullets:
         return False
-    vectors = await embed([b.content for b in bullets])
-    if len(vectors) != len(bullets):
-        raise ValueError(f"embed returned {len(vectors)} vectors for {len(bullets)}")
+    vectors = await embed_each(embed, [b.content for b in bullets])
     at = {b.id: v for b, v in zip(bullets, vectors, strict=True)}
     for section in sections:
         for i, a in enumerate(section.bullets):
@@ -328,8 +326,13 @@ async def has_similar_bullets(
     return False
 
 
-def bullet_ids_of(section: Section) -> set[str]:
-    return {b.id for b in section.bullets}
+async def embed_each(embed: EmbedFn, texts: Sequence[str]) -> list[list[float]]:
+    """One vector per text, in one call; an endpoint that returns another count is an error
+    (zipping its vectors with the texts would judge some texts by others' vectors)."""
+    vectors = list(await embed(list(texts)))
+    if len(vectors) != len(texts):
+        raise ValueError(f"embed returned {len(vectors)} vectors for {len(texts)}")
+    return vectors
 
 
 # --------------------------------------------------------------------------- apply
@@ -503,7 +506,9 @@ __all__ = [
     "copy_playbook",
     "cosine",
     "dedup",
+    "embed_each",
     "find_bullet",
+    "has_similar_bullets",
     "near_duplicate_adds",
     "new_playbook",
     "normalize",

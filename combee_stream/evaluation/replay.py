@@ -267,7 +267,8 @@ class ReplayGate:
             (right if c >= 1.0 else wrong).update(cited)
             if a >= 1.0:
                 (kept if c >= 1.0 else broken).update(cited)
-        blame = [b for b in {**wrong, **broken} if wrong[b] > right[b] or broken[b] > kept[b]]
+        # (a broken task is a wrong one: every bullet in broken is in wrong)
+        blame = [b for b in wrong if wrong[b] > right[b] or broken[b] > kept[b]]
         return Verdict(
             accepted=accepted, reason=reason, report=report, holdout=holdout, blame=blame
         )
