@@ -30,6 +30,7 @@ import anyio
 import msgspec
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import (
+    KafkaConnectionError,
     KafkaError,
     MessageSizeTooLargeError,
     ProducerFenced,
@@ -196,6 +197,11 @@ class Publisher:
             if fenced is not None and group.subgroup(BrokerUnavailableError) is None:
                 raise ProducerFenced() from group
             raise
+        if not outcome:
+            # aiokafka cancelled its own future under the attempt (a connection closed by a
+            # broker restart): a CancelledError the task group takes for a cancelled child,
+            # so the attempt ended without an outcome. A failed attempt, retried like one.
+            return KafkaConnectionError("the Kafka client cancelled the request")
         return outcome[0]
 
     # ------------------------------------------------------------------ Sink
