@@ -11,6 +11,7 @@ from combee_stream.core.hygiene import (
     review_edits,
     violates,
 )
+from combee_stream.core.learner import tidied
 from combee_stream.core.playbook import normalize
 from combee_stream.schemas import (
     AddOp,
@@ -98,6 +99,26 @@ def test_content_carrying_a_rendered_bullet_prefix_is_refused() -> None:
         playbook(Bullet(id="s-1", content=RULE)), Delta(key=KEY, operations=[update])
     )
     assert [s.reason for s in refused] == ["bullet_markup"]
+
+
+def test_a_leading_copy_of_the_line_format_is_cut_and_the_rule_behind_it_kept() -> None:
+    # A 1.5B curator wrote every new bullet of the real-model demo of 2026-12-03 this way; a
+    # refusal lost each window's one lesson.
+    rule = "When a rate is asked as a decimal, write each percentage as a fraction (4% is 0.04)."
+    ops = tidied(
+        [
+            AddOp(section="S", content=f"[calc-00004] helpful=0 harmful=0 :: {rule}"),
+            UpdateOp(bullet_id="s-1", content=f"[strat-00001] {RULE}"),
+            AddOp(section="S", content=f"{rule} See [calc-00004] helpful=2 harmful=0."),
+        ],
+        0,
+    )
+    assert [op.content for op in ops[:2]] == [rule, RULE]  # type: ignore[union-attr]
+    delta = Delta(key=KEY, operations=ops)
+    # The cut ones pass the review; markup anywhere but at the front is still refused.
+    assert review_adds(playbook(), delta, []) == {1: "bullet_markup"}  # the second ADD
+    edits = Delta(key=KEY, operations=[ops[1]])
+    assert review_edits(playbook(Bullet(id="s-1", content=RULE)), edits) == []
 
 
 INJECTION = (

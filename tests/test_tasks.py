@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -95,16 +96,24 @@ def independent_answer(task: Task) -> float:
             paid += payment
             count += 1
         return float(count)
+    if task.family == "operating_income":
+        earned, spent = (Fraction(m) for m in re.findall(r"\$([\d.]+) million", q))
+        return float((earned - spent) * 10**6)  # exact decimal arithmetic, then dollars
+    if task.family == "capm_return":
+        free, market = percents(q)
+        beta = float(re.search(r"beta is (\d+(?:\.\d+)?)", q).group(1))  # type: ignore[union-attr]
+        # the same line written as a weighted mean of the two rates, in fractions
+        return ((1 - beta) * free + beta * market) / 100
     raise AssertionError(task.family)
 
 
 def test_generated_tasks_are_reproducible_balanced_and_disjoint_across_seeds() -> None:
-    first, again, other = generate_tasks(60, seed=1), generate_tasks(60, seed=1), generate_tasks(60)
+    first, again, other = generate_tasks(80, seed=1), generate_tasks(80, seed=1), generate_tasks(80)
     assert first == again
     assert {t.question for t in first}.isdisjoint({t.question for t in other})
-    assert len({t.id for t in first + other}) == 120
+    assert len({t.id for t in first + other}) == 160
     families = [t.family for t in first]
-    assert {families.count(f) for f in set(families)} == {10}  # six families, in turn
+    assert {families.count(f) for f in set(families)} == {10}  # eight families, in turn
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

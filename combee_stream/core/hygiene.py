@@ -36,6 +36,11 @@ is counted by reason in the version's stats (``UpdateStats.skipped``):
 
 - ``bullet_markup``: it carries a rendered bullet's id or counters (``strat-00008]
   helpful=0 harmful=0 :: ...``): a small model copying the playbook's own lines into a bullet.
+  A curator that writes its whole new bullet in the playbook's line format (``[calc-00004]
+  helpful=0 harmful=0 :: When ...``, every window of a 1.5B curator in the real-model demo of
+  2026-12-03) copied the format, not the markup, so :func:`without_rendered_prefix` cuts that
+  leading prefix first and the rule behind it is reviewed as any other; markup anywhere else
+  still refuses the bullet.
 
 ``restates_task`` compares a bullet with the tasks of the curator groups that proposed it (its
 own sources; the window's tasks for a bullet only a combiner wrote), and a bullet that carries a
@@ -109,6 +114,9 @@ _BIG_NUMBER = re.compile(r"\d[\d,]{3,}(?:\.\d+)?|\d+\.\d+")
 _ANY_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 # A rendered bullet's id ("strat-00008]") or counters ("helpful=0"): playbook markup.
 _MARKUP = re.compile(r"\b[a-z]{2,6}-\d{5}\]|\b(?:helpful|harmful)\s*=\s*\d")
+_RENDERED_PREFIX = re.compile(
+    r"^\s*\[[a-z]{2,6}-\d{5}\]\s*(?:helpful\s*=\s*\d+\s+harmful\s*=\s*\d+\s*::\s*)?"
+)
 # An operator between two terms, or a function call: the bullet states a formula or a rule.
 _FORMULA = re.compile(r"[\w)\]]\s*[*/=×÷^]\s*[\w(]|\s[-+]\s[\w(]|\b[a-zA-Z_]\w*\(")
 # A formula's pieces: an operator with the word on each side, and function calls.
@@ -138,6 +146,12 @@ def _numbers(text: str) -> set[str]:
 
 def carries_markup(text: str) -> bool:
     return _MARKUP.search(text) is not None
+
+
+def without_rendered_prefix(text: str) -> str:
+    """``text`` without a leading ``[id] helpful=h harmful=r ::`` (or ``[id]``): the playbook's
+    own line format, which a small curator copies in front of the rule it writes."""
+    return _RENDERED_PREFIX.sub("", text, count=1)
 
 
 def has_formula(text: str) -> bool:
@@ -382,4 +396,5 @@ __all__ = [
     "review_edits",
     "violates",
     "without_cut_sentence",
+    "without_rendered_prefix",
 ]

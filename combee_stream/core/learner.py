@@ -78,6 +78,7 @@ from combee_stream.core.hygiene import (
     review_edits,
     violates,
     without_cut_sentence,
+    without_rendered_prefix,
 )
 from combee_stream.core.outputs import (
     ConsolidatorOutput,
@@ -645,11 +646,14 @@ def tidied(operations: Sequence[Operation], bound: int) -> list[Operation]:
     """The operations with a last sentence that the grammar's length bound (``bound``
     characters a string, 0: none) cut short dropped from their text
     (:func:`~combee_stream.core.hygiene.without_cut_sentence`): a grammar-bounded small model
-    writes to the bound, and what it was saying when cut is no part of a rule."""
+    writes to the bound, and what it was saying when cut is no part of a rule. A leading copy
+    of the playbook's line format is cut too
+    (:func:`~combee_stream.core.hygiene.without_rendered_prefix`)."""
     out: list[Operation] = []
     for op in operations:
         if isinstance(op, AddOp | UpdateOp):
-            op = msgspec.structs.replace(op, content=without_cut_sentence(op.content, bound))
+            content = without_cut_sentence(without_rendered_prefix(op.content), bound)
+            op = msgspec.structs.replace(op, content=content)
         out.append(op)
     return out
 

@@ -40,13 +40,16 @@ from combee_stream.tasks import KEY, generate_tasks, task_feedback
 from combee_stream.wiring import Engine
 
 AGENT_CONCURRENCY = 2  # leaves the model's other slots to the reflector and curator
-# The generated families the demo's agent works on: the two where Qwen2.5-Coder-1.5B with the
-# base prompt misses every task by one convention a single rule fixes (a probe of 6 tasks each:
-# the dividend discount model priced on the dividend just paid, 51.75 for 52.27; payments
-# needed not rounded up, 70.43 for 71). It answered compound_interest and ratio_percent 6 of 6
-# (nothing to learn), and npv and loan_payment 0 of 6 with expressions the calculator cannot
-# read, which no one rule mends in a demo's few windows.
-DEMO_FAMILIES: Final = ("dividend_discount", "payments_needed")
+# The generated families the demo's agent works on: two where Qwen2.5-Coder-1.5B with the base
+# prompt misses every task by one convention (a probe of 6 tasks each: operating income from
+# amounts in millions answered in millions, 24 for 24000000; the CAPM return asked as a decimal
+# answered in percent, 6.184 for 0.0618), and where the feedback names the miss ("off by a
+# factor of 1,000,000"), so that a 1.5B reflector turns it into the rule. On the families it
+# misses by a convention the feedback cannot name (the dividend discount model priced on the
+# dividend just paid, payments needed not rounded up: 0 of 6 each) the same reflector, shown the
+# worked reference solution, wrote no right lesson in 8 reflections (the dividend ones repeated
+# the agent's own formula), although the rules written by hand took them to 11 of 12.
+DEMO_FAMILIES: Final = ("operating_income", "capm_return")
 
 
 class View:
