@@ -124,6 +124,22 @@ def test_every_generated_answer_matches_an_independent_computation(seed: int) ->
         assert is_correct(task, f"{expected:.2f}")
 
 
+def test_the_demo_families_misses_are_ones_the_feedback_names() -> None:
+    # The real-model demo draws these two families because the 1.5B agent's miss on every probe
+    # task was one the feedback names (answered in millions, answered in percent): that name is
+    # what its small reflector turns into a rule.
+    from combee_stream.demo.live import DEMO_FAMILIES
+
+    for task in generate_tasks(20, seed=7, families=DEMO_FAMILIES):
+        value = float(task.answer)
+        miss = f"{value / 1e6:g}" if task.family == "operating_income" else f"{value * 100:.3f}"
+        factor = "1,000,000" if task.family == "operating_income" else "100"
+        feedback = task_feedback(task, miss)
+        assert feedback.passed is False
+        assert f"off by a factor of {factor}" in feedback.text, (task.question, miss)
+        assert "reference solution" in feedback.text
+
+
 def test_the_numeric_scorer_tells_conventions_apart() -> None:
     assert numeric("1,234.5", "1234.5000") and numeric("$1,234.50", "1234.5")
     assert numeric("the answer is 42", "42.0000")
