@@ -113,9 +113,11 @@ _QUOTED = re.compile(r'"([^"\n]{6,400})"|“([^”\n]{6,400})”|`([^`\n]{6,400}
 _BIG_NUMBER = re.compile(r"\d[\d,]{3,}(?:\.\d+)?|\d+\.\d+")
 _ANY_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 # A rendered bullet's id ("strat-00008]") or counters ("helpful=0"): playbook markup.
-_MARKUP = re.compile(r"\b[a-z]{2,6}-\d{5}\]|\b(?:helpful|harmful)\s*=\s*\d")
+_BULLET_ID = r"[a-z]{2,6}-\d{5}"
+_MARKUP = re.compile(rf"\b{_BULLET_ID}\]|\b(?:helpful|harmful)\s*=\s*\d")
+# The same line format at the start of a text, as the curator sees the playbook's lines.
 _RENDERED_PREFIX = re.compile(
-    r"^\s*\[[a-z]{2,6}-\d{5}\]\s*(?:helpful\s*=\s*\d+\s+harmful\s*=\s*\d+\s*::\s*)?"
+    rf"^\s*\[{_BULLET_ID}\]\s*(?:helpful\s*=\s*\d+\s+harmful\s*=\s*\d+\s*::\s*)?"
 )
 # An operator between two terms, or a function call: the bullet states a formula or a rule.
 _FORMULA = re.compile(r"[\w)\]]\s*[*/=×÷^]\s*[\w(]|\s[-+]\s[\w(]|\b[a-zA-Z_]\w*\(")

@@ -21,7 +21,7 @@ def register(sub: Any) -> None:
     parser.add_argument("--sim", action="store_true", help="the quick simulated-LLM demo")
     parser.add_argument("--tasks", type=int, default=24, help="tasks the agent works on")
     # 20 (10 a family), to fit the demo's time; the paired interval it prints says what that
-    # size can show (a run's 0 of 20 before and after: -16 to +16 points).
+    # size can show (0 of 20 before, 5 of 20 after: +4 to +47 points; 0 and 0: -16 to +16).
     parser.add_argument("--held-out", type=int, default=20, help="tasks of the before/after")
     parser.add_argument("--model", default=None, help="local model (default: local_llm.model)")
     parser.add_argument("--seed", type=int, default=None, help="task seed (default: random)")
