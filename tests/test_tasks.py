@@ -135,7 +135,7 @@ def test_the_demo_families_misses_are_ones_the_feedback_names() -> None:
         miss = f"{value / 1e6:g}" if task.family == "operating_income" else f"{value * 100:.3f}"
         factor = "1,000,000" if task.family == "operating_income" else "100"
         feedback = task_feedback(task, miss)
-        assert feedback.passed is False
+        assert feedback.passed is False and feedback.text is not None
         assert f"off by a factor of {factor}" in feedback.text, (task.question, miss)
         assert "reference solution" in feedback.text
 
@@ -180,7 +180,7 @@ def test_feedback_names_the_kind_of_miss(
 ) -> None:
     task = Task(id="t", question=question, answer=answer, scorer="formula")
     feedback = task_feedback(task, got)
-    assert not feedback.passed
+    assert not feedback.passed and feedback.text is not None
     named = miss_kind(task, got)
     if kind is None:
         assert named is None
