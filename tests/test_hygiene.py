@@ -215,6 +215,15 @@ def test_a_sentence_a_length_bound_cut_short_is_dropped_and_a_rule_across_senten
     assert without_cut_sentence("a single sentence cut short by the bou", 38) == (
         "a single sentence cut short by the bou"
     )  # nothing whole before it: left for the review to judge
+    # One long sentence (the real run's DDM rule, cut at 300): it ends at its last whole clause.
+    ddm = (
+        "When using the Dividend Discount Model (DDM) formula, ensure that the division "
+        "operation is correctly written and that the formula is applied step-by-step, starting "
+        "with the dividend and discount rate, and then subtracting the growth rate from the "
+        "discount rate to get the net discount rate, and then"
+    )
+    assert without_cut_sentence(ddm, len(ddm)) == ddm[: ddm.rindex(", and then")] + "."
+    assert without_cut_sentence("Round it, and", 13) == "Round it, and"  # too little before
     # "did not round" two sentences later is no "A, not A".
     assert not contradicts_itself(cut)
     # "..., but the agent used A", what the 1.5B curator wrote too.

@@ -228,14 +228,19 @@ def without_cut_sentence(text: str, bound: int) -> str:
     sentence precedes it and ``text`` is as long as the grammar's string bound (``bound``
     characters, 0: unbounded, nothing is cut): what the bound leaves of a small model's reply
     ("... round the result to two decimals. When the agent did not round the result, "). A
-    shorter text that ends without a full stop was written that way, not cut."""
+    shorter text that ends without a full stop was written that way, not cut. A single
+    sentence cut short ends at its last whole clause instead (``..., and then subtracting g
+    from r, and then`` -> ``..., and then subtracting g from r.``): a 1.5B curator's long
+    one-sentence rule is mostly whole, and a rule that trails off mid-clause reads as broken."""
     stripped = text.rstrip()
     if not bound or len(text) < bound - 2 or not stripped or stripped[-1] in ".!?)]\"'`":
         return text
     end = max(stripped.rfind(". "), stripped.rfind("! "), stripped.rfind("? "))
-    if end < 0:
-        return text
-    head = stripped[: end + 1]
+    if end >= 0:
+        head = stripped[: end + 1]
+    else:
+        clause = max(stripped.rfind(", "), stripped.rfind("; "))
+        head = stripped[:clause].rstrip(",;: ") + "." if clause > 0 else ""
     return head if len(content_words(head)) >= MIN_WORDS else text
 
 
