@@ -445,12 +445,18 @@ def test_blame_falls_on_the_bullets_cited_on_the_tasks_a_candidate_broke() -> No
 
 def test_a_general_rule_is_not_blamed_for_tasks_a_small_model_still_gets_wrong() -> None:
     """The real 1.5B run's window: the agent right on 4 of 10 held-out tasks with the parent
-    and with the candidate, every new rule cited on all ten. Nothing broke: nothing is blamed
-    (a rule that blamed bullets cited on more wrong answers than right pruned all four)."""
+    and with the candidate, every new rule cited on all ten. The agent did no worse where it
+    relied on them than anywhere: nothing is blamed (a rule that blamed bullets cited on more
+    wrong answers than right pruned all four)."""
     right, ten = {0, 1, 2, 3}, GateConfig(replay=True, min_samples=10, margin=0.15)  # that run
     cited = {i: ["round", "units", "no-percent", "times"] for i in range(10)}
     verdict = _review(right, right, cited, n=10, gate=ten)
     assert verdict.accepted and verdict.blame == []
+    # A rule cited only on tasks that both versions fail (a wrong rule for a case not learned
+    # yet: nothing broke) is still blamed: the agent does worse where it relies on it (0 of 3)
+    # than on the whole sample (4 of 10).
+    verdict = _review(right, right, {**cited, 7: ["bad"], 8: ["bad"], 9: ["bad"]}, n=10, gate=ten)
+    assert verdict.accepted and verdict.blame == ["bad"]
     # One task broken and one fixed: "times", cited on the broken one and on no kept one, is
     # blamed; "round", cited on the broken one and on the three kept, is not.
     cited = {0: ["round", "times"], 1: ["round"], 2: ["round"], 3: ["round"], 9: ["times"]}

@@ -287,7 +287,7 @@ async def run_quality(config: Config, settings: QualitySettings, out: Path) -> Q
         phases.save(out)
     train_wall = phases.train_wall_s
 
-    base = await _evaluated(config, "", held_out, "base", out, s.concurrency)
+    base = await _evaluated(config, "", held_out, "base", out, s.concurrency, phases)
     rows = [_row("base", base, None)]
     results: dict[str, EvalResult] = {"base": base}
     for strategy in s.strategies:
@@ -313,7 +313,9 @@ async def run_quality(config: Config, settings: QualitySettings, out: Path) -> Q
         playbook = (
             history.newest[s.key].playbook if s.key in history.newest else Playbook(key=s.key)
         )
-        result = await _evaluated(config, render(playbook), held_out, strategy, out, s.concurrency)
+        result = await _evaluated(
+            config, render(playbook), held_out, strategy, out, s.concurrency, phases
+        )
         results[strategy] = result
         row = _row(strategy, result, base)
         _learned(row, playbook, report, _updates(folder), capacity)
@@ -341,6 +343,7 @@ class _Phases(Struct, kw_only=True):
 
     capacity: Capacity | None = None
     train_wall_s: float = 0.0
+    eval_wall_s: dict[str, float] = {}  # by evaluation (its answers file's name)
 
     @staticmethod
     def load(out: Path) -> _Phases:
@@ -407,40 +410,40 @@ def _learned(
 
 
 async def _evaluated(
-    config: Config, prompt: str, tasks: list[Task], label: str, out: Path, concurrency: int
-) -> EvalResult:
+    config: Config, prompt: str, tasks: list[Task], label: str, out: Path, concurrency: int,
+    phases: _Phases,
+) -> EvalResult:  # fmt: skip
     """One prompt on the held-out tasks, each answer appended to ``out`` as it is scored: the
     suite is long on 2 cores, and a rerun reuses every answer of the same model, prompt and
-    tasks."""
+    tasks. Its wall time is every invocation's that answered some of them (``phases.json``),
+    not this one's only: a rerun that reuses a finished evaluation reports what it took."""
     identity = "\n".join([config.llm.agent.model, prompt, *(t.id for t in tasks)])
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    path = out / f"eval-{label}-{digest}.jsonl"
+    name = f"eval-{label}-{digest}"
+    path = out / f"{name}.jsonl"
     done = _read_outcomes(path)
-    if len(done) >= len(tasks):
-        answered = {o.task_id for o in done}
-        if all(t.id in answered for t in tasks):
-            async with LLMClient(config.llm) as llm:  # no call: every task is answered
-                return await evaluate(Answerer(llm), prompt, tasks, label=label, done=done)
-    with (
-        path.open("ab") as sink,
-        PhaseProgress(f"evaluate ({label})", len(tasks), done=len(done)) as bar,
-    ):
+    answered = {o.task_id for o in done}
+    async with LLMClient(config.llm) as llm:
+        if all(t.id in answered for t in tasks):  # no call: every task is answered
+            result = await evaluate(Answerer(llm), prompt, tasks, label=label, done=done)
+        else:
+            with (
+                path.open("ab") as sink,
+                PhaseProgress(f"evaluate ({label})", len(tasks), done=len(done)) as bar,
+            ):
 
-        def keep(outcome: TaskOutcome, tokens_out: int) -> None:
-            sink.write(msgspec.json.encode(outcome) + b"\n")
-            sink.flush()
-            bar.advance(tokens_out=tokens_out)
+                def keep(outcome: TaskOutcome, tokens_out: int) -> None:
+                    sink.write(msgspec.json.encode(outcome) + b"\n")
+                    sink.flush()
+                    bar.advance(tokens_out=tokens_out)
 
-        async with LLMClient(config.llm) as llm:
-            return await evaluate(
-                Answerer(llm),
-                prompt,
-                tasks,
-                label=label,
-                concurrency=concurrency,
-                done=done,
-                on_outcome=keep,
-            )
+                result = await evaluate(
+                    Answerer(llm), prompt, tasks, label=label, concurrency=concurrency,
+                    done=done, on_outcome=keep,
+                )  # fmt: skip
+            phases.eval_wall_s[name] = phases.eval_wall_s.get(name, 0.0) + result.wall_s
+            phases.save(out)
+    return msgspec.structs.replace(result, wall_s=phases.eval_wall_s.get(name, 0.0))
 
 
 def _read_outcomes(path: Path) -> list[TaskOutcome]:

@@ -16,7 +16,7 @@ steps (:class:`Commit`), each of which may narrow what the version carries:
 5. **size** — a candidate over ``max_update_bytes`` is not reviewed (it cannot be published):
    it falls back;
 6. **gate** — the publish gate reviews the candidate; **blame-prune**: when it blames new
-   bullets (cited on held-out tasks the parent answered right and it broke), once more without them, kept when the rest
+   bullets (the agent relied on them on held-out tasks and failed), once more without them, kept when the rest
    passes; a refusal keeps nothing of the candidate; a gate that cannot judge yet (too few
    held-out tasks) **defers**: what the review kept waits in ``Holdout.pending`` for the next
    window, and this version carries the window's tags and provenance;
@@ -259,7 +259,7 @@ class Commit:
 
     async def _gated(self, result: ApplyResult) -> ApplyResult:
         """The gate's review, with the blame-prune: once more without the new bullets the
-        agent cited on tasks it broke, so one bad lesson does not cost the window's good
+        agent relied on and failed with, so one bad lesson does not cost the window's good
         ones, nor get in with them (kept when the rest passes; else the first verdict stands).
         A refusal keeps nothing of the candidate: provenance only."""
         verdict = await self._reviewed_by_gate(result.playbook)

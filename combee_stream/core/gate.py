@@ -36,7 +36,7 @@ class Verdict(Struct, frozen=True):
     reason: str = ""
     report: GateReport | None = None  # what was measured, for the version's stats
     holdout: Holdout | None = None  # the held-out tasks afterwards (regressions added)
-    # The candidate's new bullets to blame (cited on held-out tasks it broke). The learner
+    # The candidate's new bullets to blame (the agent relied on them and failed). The learner
     # tries the candidate once more without them.
     blame: list[str] = []
     # The gate cannot judge yet (too few held-out tasks): neither published nor refused, the

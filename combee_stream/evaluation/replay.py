@@ -246,25 +246,36 @@ class ReplayGate:
         holdout = candidate.holdout
         if not accepted and holdout is not None and cfg.regression_size:
             holdout = with_regressions(holdout, broke, cfg.regression_size)
-        # Credit assignment, against the parent only: a new bullet is blamed when the agent
-        # cited it on more of the tasks the parent answered right and the candidate broke
-        # than on ones it kept right. Those tasks' ground truth is corroborated by the parent,
-        # while a "fixed" task's may be a producer's (held-out traces carrying forged answers
-        # make a poisoned rule look right on them, and counting those let a poisoned bullet
-        # through). A bullet cited only on tasks both versions answer alike broke nothing and
-        # is not blamed: an earlier rule also blamed one cited on more wrong answers than
-        # right, and with a small model right on fewer than half the tasks that blamed every
-        # general rule ("round to the decimals asked" is cited everywhere); a real 1.5B run
-        # lost all four bullets of a window whose candidate scored exactly as its parent.
-        # The learner tries the candidate once more without the blamed bullets.
+        # Credit assignment: the candidate's new bullets that the agent relied on and failed
+        # with. A bullet is blamed when the candidate's accuracy on the tasks that cite it is
+        # below one half and below its accuracy on the whole sample: the agent does worse
+        # where it relies on the bullet than elsewhere (a wrong rule, or one that does not do
+        # what it claims for its tasks). Comparing with the parent task by task cannot see a
+        # bad new rule for tasks the parent fails too; this can. One half alone is not the
+        # bar: with a small model right on fewer than half the tasks, a general rule ("round
+        # to the decimals asked") cited everywhere is right exactly as often as the agent, and
+        # that bar pruned all four rules of a real 1.5B window whose candidate scored as its
+        # parent did (0.4 and 0.4), on tasks it broke none of.
+        # A bullet is also blamed when it broke more of the tasks the parent answered right
+        # than it kept right: those tasks' ground truth is corroborated by the parent, while
+        # a "fixed" task's may be a producer's (held-out traces carrying forged answers make a
+        # poisoned rule look right on them, and counting those let a poisoned bullet through).
+        # The learner tries the candidate once more without them.
         old = {b.id for s in candidate.parent.sections for b in s.bullets}
+        bar = min(0.5, sum(new) / n)
+        wrong: Counter[str] = Counter()
+        right: Counter[str] = Counter()
         broken: Counter[str] = Counter()
         kept: Counter[str] = Counter()
         for i, (a, c) in enumerate(zip(current, new, strict=True)):
+            cited = [b for b in dict.fromkeys(scores[i, 1].cited) if b not in old]
+            (right if c >= 1.0 else wrong).update(cited)
             if a >= 1.0:
-                cited = [b for b in dict.fromkeys(scores[i, 1].cited) if b not in old]
                 (kept if c >= 1.0 else broken).update(cited)
-        blame = [b for b in broken if broken[b] > kept[b]]
+        # (a broken task is a wrong one: every bullet in broken is in wrong)
+        blame = [
+            b for b in wrong if right[b] < bar * (right[b] + wrong[b]) or broken[b] > kept[b]
+        ]
         return Verdict(
             accepted=accepted, reason=reason, report=report, holdout=holdout, blame=blame
         )
