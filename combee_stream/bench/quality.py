@@ -594,7 +594,7 @@ def markdown(report: QualityReport) -> str:
                 f"{r.cache_share:.0%}" if r.prompt != "base" else "–",
                 f"{r.truncated_replies} / {r.parked_traces}" if r.prompt != "base" else "–",
                 f"{r.gate_refused}" if r.prompt != "base" else "–",
-                f"{r.learn_wall_s / 60:.1f}",
+                f"{r.learn_wall_s / 60:.1f}" if r.prompt != "base" else "–",
                 f"{r.eval_wall_s / 60:.1f}",
                 f"{r.capacity_share:.0%}" if r.prompt != "base" else "–",
             ]

@@ -16,10 +16,11 @@ steps (:class:`Commit`), each of which may narrow what the version carries:
 5. **size** — a candidate over ``max_update_bytes`` is not reviewed (it cannot be published):
    it falls back;
 6. **gate** — the publish gate reviews the candidate; **blame-prune**: when it blames new
-   bullets (the agent relied on them on held-out tasks and failed), once more without them, kept when the rest
-   passes; a refusal keeps nothing of the candidate; a gate that cannot judge yet (too few
-   held-out tasks) **defers**: what the review kept waits in ``Holdout.pending`` for the next
-   window, and this version carries the window's tags and provenance;
+   bullets (the agent relied on them on held-out tasks and failed), once more without them,
+   kept when the rest passes; a refusal keeps nothing of the candidate; a gate that cannot
+   judge yet (too few held-out tasks) **defers**: what the review kept waits in
+   ``Holdout.pending`` for the next window, and this version carries the window's tags and
+   provenance;
 7. **fall back** — tags + provenance, then provenance only (a gate refusal: provenance only);
 8. **re-review** — a consolidation kept under a budget or size rejection is a change of the
    prompt of its own: reviewed like any;

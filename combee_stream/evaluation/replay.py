@@ -273,9 +273,7 @@ class ReplayGate:
             if a >= 1.0:
                 (kept if c >= 1.0 else broken).update(cited)
         # (a broken task is a wrong one: every bullet in broken is in wrong)
-        blame = [
-            b for b in wrong if right[b] < bar * (right[b] + wrong[b]) or broken[b] > kept[b]
-        ]
+        blame = [b for b in wrong if right[b] < bar * (right[b] + wrong[b]) or broken[b] > kept[b]]
         return Verdict(
             accepted=accepted, reason=reason, report=report, holdout=holdout, blame=blame
         )
