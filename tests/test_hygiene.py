@@ -206,9 +206,11 @@ def test_a_sentence_a_length_bound_cut_short_is_dropped_and_a_rule_across_senten
     )
     kept = without_cut_sentence(cut, len(cut))
     assert kept.endswith("This ensures that the answer is accurate.")
-    # Shorter than the bound (or no bound): written without a full stop, not cut.
-    assert without_cut_sentence(cut, len(cut) + 100) == cut
-    assert without_cut_sentence(cut, 0) == cut
+    # Shorter than the bound, ending on a comma: a reflection's cut insight, copied by the
+    # curator (the real run's Sharpe bullet); the same without a comma was written that way.
+    assert without_cut_sentence(cut, len(cut) + 100) == kept
+    assert without_cut_sentence(cut, 0) == kept
+    assert without_cut_sentence(cut.rstrip(", "), 0) == cut.rstrip(", ")
     assert without_cut_sentence("When asked for two decimals, round(x, 2).", 41) == (
         "When asked for two decimals, round(x, 2)."
     )
