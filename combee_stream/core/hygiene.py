@@ -226,12 +226,12 @@ def _text_problem(
 def without_cut_sentence(text: str, bound: int) -> str:
     """``text`` without a last sentence that stops short (no closing punctuation) when a whole
     sentence precedes it and ``text`` is as long as the grammar's string bound (``bound``
-    characters, 0: unbounded, nothing is cut): what the bound leaves of a small model's reply
-    ("... round the result to two decimals. When the agent did not round the result, "), or
-    that ends on a comma, semicolon or colon at any length. A shorter text that ends without a
-    full stop otherwise was written that way, not cut. A single sentence cut short ends at
-    its last whole clause instead (``..., and then subtracting g from r, and then`` ->
-    ``..., and then subtracting g from r.``): a 1.5B curator's long one-sentence rule is
+    characters; 0: no bound): what the bound leaves of a small model's reply ("... round the
+    result to two decimals. When the agent did not round the result, "), or when it ends on
+    a comma, semicolon or colon, at any length and with any bound. A shorter text that ends
+    without a full stop otherwise was written that way, not cut. A single sentence cut short
+    ends at its last whole clause instead (``..., and then subtracting g from r, and then``
+    -> ``..., and then subtracting g from r.``): a 1.5B curator's long one-sentence rule is
     mostly whole, and a rule that trails off mid-clause reads as broken."""
     stripped = text.rstrip()
     if not stripped or stripped[-1] in ".!?)]\"'`":
