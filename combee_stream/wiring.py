@@ -93,7 +93,9 @@ def build_learner(
         holdout=holdout,
         max_update_bytes=config.kafka.max_message_bytes,
         update_size=update_bytes,
-        string_bounds={r: getattr(config.llm, r).max_string_chars for r in ("curator", "combiner")},
+        string_bounds={
+            r: getattr(config.llm, r).max_string_chars for r in ("reflector", "curator", "combiner")
+        },
     )
 
 

@@ -243,3 +243,38 @@ def test_a_bullet_carrying_the_tasks_own_decimal_data_is_an_instance() -> None:
     rule = "When the question asks for 2 decimal places, round the whole expression to 2 places."
     delta = Delta(key=KEY, operations=[AddOp(section="S", content=t) for t in (instance, rule)])
     assert review_adds(playbook(), delta, [task]) == {0: "restates_task"}
+
+
+def test_sentences_that_narrate_the_trace_are_cut_and_the_rule_kept() -> None:
+    from combee_stream.core.hygiene import without_narration
+
+    # Two bullets of a real 1.5B curator (three runs of 2026-12-03 wrote 13 of 29 this way).
+    # The first one's second sentence made the agent scale every input by 1000.
+    npv = (
+        "When calculating the NPV, ensure that all cash flows are in the same units (dollars). "
+        "In this case, the cash flows are given in thousands of dollars, so we need to convert "
+        "them to dollars by multiplying by 1000."
+    )
+    apr = (
+        "When calculating the Annual Percentage Rate (APR), round the result to 2 decimal "
+        "places as the task requires. The agent should have followed this step to avoid errors."
+    )
+    ops = tidied([AddOp(section="S", content=npv), UpdateOp(bullet_id="s-1", content=apr)], 0)
+    assert [op.content for op in ops] == [  # type: ignore[union-attr]
+        "When calculating the NPV, ensure that all cash flows are in the same units (dollars).",
+        "When calculating the Annual Percentage Rate (APR), round the result to 2 decimal "
+        "places as the task requires.",
+    ]
+    # A rule addressed to the agent, over several sentences, is not narration.
+    rule = "When a rate is asked as a decimal, write 4% as 0.04. Round the result as the task asks."
+    assert without_narration(rule) == rule
+    # All narration: left whole for the review to judge.
+    story = "In this case, the agent used 55 for 55,000. The agent should have used 55000."
+    assert without_narration(story) == story
+    # "which is incorrect" ends a story too, whatever sentence it is in.
+    assert (
+        without_narration(
+            "When discounting, use (1 + r)^t. The agent used 1 + r^t, which is incorrect."
+        )
+        == "When discounting, use (1 + r)^t."
+    )

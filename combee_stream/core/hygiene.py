@@ -42,6 +42,17 @@ is counted by reason in the version's stats (``UpdateStats.skipped``):
   leading prefix first and the rule behind it is reviewed as any other; markup anywhere else
   still refuses the bullet.
 
+``tidied`` (in the learner) first cuts what a reply's text carries that is no part of a rule: a
+leading copy of the playbook's line format, a last sentence the length bound cut, and
+sentences that narrate the one trace the lesson came from (:func:`without_narration`: "In this
+case, the cash flows are given in thousands of dollars, so we need to ... multiply by 1000",
+"The agent should have used ..., which is incorrect"). A 1.5B curator appended such a sentence
+to 13 of the 29 distinct bullets it wrote in three real runs, and the agent reads it as a rule
+for every task: a playbook that said "multiply by 1000" in an NPV bullet was followed by
+answers that scaled an input by 100 or 1000 on 9 held-out tasks the base prompt got right
+(market capitalisation, turnover, payout, price-to-book). The reflector's key insight is cut
+the same way before a curator reads it (the curator copies it).
+
 ``restates_task`` compares a bullet with the tasks of the curator groups that proposed it (its
 own sources; the window's tasks for a bullet only a combiner wrote), and a bullet that carries a
 formula or a rule with operators (``ceil(debt / payment)``) is not refused for sharing its
@@ -129,6 +140,16 @@ _NOT_X = re.compile(
     r"(?:should be|must be|is|are|use|uses)\s+([^.;:]{3,200}?),\s*"
     r"(?:not|but (?:the agent |it )?(?:used|wrote|applied))\s+([^.;,]{3,200})"
 )
+# A sentence that tells one trace's story rather than a rule: "in this case", what the agent did
+# or should have done, "which is incorrect". A rule is addressed to the agent ("When X, do Y").
+_NARRATION = re.compile(
+    r"\bin (?:this|that|the given) (?:case|task|example|problem|question|scenario|instance|trace)\b"
+    r"|\bthe agent (?:should have|should've|did not|didn't|failed|forgot|instead|incorrectly|"
+    r"mistakenly|used|wrote|applied|gave|got|made|was|had)\b"
+    r"|\bwhich (?:is|was) (?:incorrect|wrong)\b",
+    re.IGNORECASE,
+)
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(\"'`])")
 # An UPDATE keeps a bullet's meaning when it keeps this share of its content words.
 KEPT_MEANING: Final = 0.7
 
@@ -248,6 +269,17 @@ def without_cut_sentence(text: str, bound: int) -> str:
         clause = max(stripped.rfind(", "), stripped.rfind("; "))
         head = stripped[:clause].rstrip(",;: ") + "." if clause > 0 else ""
     return head if len(content_words(head)) >= MIN_WORDS else text
+
+
+def without_narration(text: str) -> str:
+    """``text`` without its sentences that narrate one trace (see the module): what stays is
+    the rule. A text whose every sentence narrates is returned as it is, for the review to
+    judge (it is usually refused as restating its task)."""
+    sentences = _SENTENCE_END.split(text.strip())
+    kept = [s for s in sentences if not _NARRATION.search(s)]
+    if not kept or len(kept) == len(sentences):
+        return text
+    return " ".join(kept)
 
 
 def _operator_terms(text: str) -> list[str]:
@@ -409,5 +441,6 @@ __all__ = [
     "review_edits",
     "violates",
     "without_cut_sentence",
+    "without_narration",
     "without_rendered_prefix",
 ]

@@ -78,6 +78,7 @@ from combee_stream.core.hygiene import (
     review_edits,
     violates,
     without_cut_sentence,
+    without_narration,
     without_rendered_prefix,
 )
 from combee_stream.core.outputs import (
@@ -306,7 +307,10 @@ class Learner:
             error_identification=out.error_identification,
             root_cause=out.root_cause_analysis,
             correct_approach=out.correct_approach,
-            key_insight=out.key_insight,
+            # The curator copies the insight: what is no part of the rule goes before it does.
+            key_insight=without_narration(
+                without_cut_sentence(out.key_insight, self._bounds.get("reflector", 0))
+            ),
             bullet_tags=tags,
         )
         return ReflectionRecord(
@@ -544,8 +548,8 @@ class Learner:
             for group_of in proposal.merges:
                 by_id = {b.id: b for b in section.bullets}
                 ids = list(dict.fromkeys(group_of.bullet_ids))
-                text = without_cut_sentence(
-                    group_of.content.strip(), self._bounds.get("curator", 0)
+                text = without_narration(
+                    without_cut_sentence(group_of.content.strip(), self._bounds.get("curator", 0))
                 )
                 if (
                     len(ids) < 2
@@ -648,11 +652,14 @@ def tidied(operations: Sequence[Operation], bound: int) -> list[Operation]:
     (:func:`~combee_stream.core.hygiene.without_cut_sentence`): a grammar-bounded small model
     writes to the bound, and what it was saying when cut is no part of a rule. A leading copy
     of the playbook's line format is cut too
-    (:func:`~combee_stream.core.hygiene.without_rendered_prefix`)."""
+    (:func:`~combee_stream.core.hygiene.without_rendered_prefix`), and so are sentences that
+    narrate the trace rather than state the rule
+    (:func:`~combee_stream.core.hygiene.without_narration`)."""
     out: list[Operation] = []
     for op in operations:
         if isinstance(op, AddOp | UpdateOp):
             content = without_cut_sentence(without_rendered_prefix(op.content), bound)
+            content = without_narration(content)
             op = msgspec.structs.replace(op, content=content)
         out.append(op)
     return out
