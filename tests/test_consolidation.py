@@ -136,6 +136,9 @@ async def test_a_merge_that_drops_what_a_bullet_said_is_refused() -> None:
     capm = "When computing a CAPM return, round it to the decimals the question asks for."
     # What a 1.5B consolidator answered for such a section: all three into the first one.
     bad = Merge(bullet_ids=["s-1", "s-2", "s-3"], content=npv)
+    # ... or two of them joined, which says what each said (the real run's NPV units rule and
+    # Sharpe rounding rule, one bullet of two "When" sentences, MiniLM 0.86 and 0.56 to them).
+    joined = Merge(bullet_ids=["s-1", "s-2"], content=f"{npv} {sharpe}")
     good = Merge(bullet_ids=["s-2", "s-3"], content="When computing a ratio, round it as asked.")
 
     class Consolidator:
@@ -148,13 +151,13 @@ async def test_a_merge_that_drops_what_a_bullet_said_is_refused() -> None:
                               latency_s=0.0)  # fmt: skip
 
     async def embed(texts: list[str]) -> list[list[float]]:
-        # Rounding rules point one way, the rest another.
-        return [[1.0, 0.0] if "round" in t else [0.0, 1.0] for t in texts]
+        # One axis for rounding, one for units: a text saying both points between them.
+        return [[float("round" in t), float("thousands" in t)] for t in texts]
 
     book = new_playbook(KEY)
     bullets = [Bullet(id=f"s-{i}", content=t) for i, t in enumerate((npv, sharpe, capm), 1)]
     book.sections = [Section(name="STRATEGIES & INSIGHTS", bullets=bullets)]
-    for merge, expected in ((bad, None), (good, [["s-2", "s-3"]])):
+    for merge, expected in ((bad, None), (joined, None), (good, [["s-2", "s-3"]])):
         learner = Learner(
             Consolidator(merge), LearningConfig(), prompts=load_prompts(), embed=embed,  # type: ignore[arg-type]
         )  # fmt: skip

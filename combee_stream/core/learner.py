@@ -484,10 +484,14 @@ class Learner:
         return size_rejected(result, onto, would_be, self.max_update_bytes)
 
     async def _keeps_each(self, key: str, merged: str, texts: Sequence[str]) -> bool:
-        """Whether a merged bullet still says what each bullet it replaces said: embedding
-        cosine at least ``learning.merge_similar`` (0.5 when unset) to every one of them. A
-        1.5B consolidator merged an NPV rule and two rounding rules into the NPV rule alone.
-        True without an embedding model (nothing to judge with)."""
+        """Whether a merge states one rule that each bullet it replaces said: embedding cosine
+        at least ``learning.merge_similar`` (0.5 when unset) from the merged text to every one
+        of them, and between every two of them. A 1.5B consolidator merged an NPV rule and two
+        rounding rules into the NPV rule alone (the first check), and in another run joined an
+        NPV units rule and a Sharpe rounding rule into one bullet of two sentences, 0.86 and
+        0.56 to them but 0.20 between them (the second: a merge is for rewordings of one rule,
+        not for two rules in one bullet). True without an embedding model (nothing to judge
+        with)."""
         if self._embed is None:
             return True
         threshold = self._config.merge_similar or MERGE_COSINE
@@ -495,7 +499,10 @@ class Learner:
             vectors = await self._embed([merged, *texts])
         except LLMCallError as exc:
             raise WindowError(key, f"embedding a merged bullet: {exc}") from exc
-        return all(cosine(vectors[0], v) >= threshold for v in vectors[1:])
+        merged_vector, sources = vectors[0], vectors[1:]
+        return all(cosine(merged_vector, v) >= threshold for v in sources) and all(
+            cosine(a, b) >= threshold for i, a in enumerate(sources) for b in sources[i + 1 :]
+        )
 
     async def _similar(self, playbook: Playbook, new: set[str]) -> bool:
         assert self._embed is not None
