@@ -248,7 +248,7 @@ def test_a_bullet_carrying_the_tasks_own_decimal_data_is_an_instance() -> None:
 def test_sentences_that_narrate_the_trace_are_cut_and_the_rule_kept() -> None:
     from combee_stream.core.hygiene import without_narration
 
-    # Two bullets of a real 1.5B curator (three runs of 2026-12-03 wrote 13 of 29 this way).
+    # Two bullets of a real 1.5B curator (three runs of 2026-12-03 proposed 13 of 29 this way).
     # The first one's second sentence made the agent scale every input by 1000.
     npv = (
         "When calculating the NPV, ensure that all cash flows are in the same units (dollars). "

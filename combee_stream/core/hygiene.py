@@ -47,10 +47,11 @@ leading copy of the playbook's line format, a last sentence the length bound cut
 sentences that narrate the one trace the lesson came from (:func:`without_narration`: "In this
 case, the cash flows are given in thousands of dollars, so we need to ... multiply by 1000",
 "The agent should have used ..., which is incorrect"). A 1.5B curator appended such a sentence
-to 13 of the 29 distinct bullets it wrote in three real runs, and the agent reads it as a rule
+to 13 of the 29 distinct bullets it proposed in three real runs, and the agent reads it as a rule
 for every task: a playbook that said "multiply by 1000" in an NPV bullet was followed by
 answers that scaled an input by 100 or 1000 on 9 held-out tasks the base prompt got right
-(market capitalisation, turnover, payout, price-to-book). The reflector's key insight is cut
+(market capitalisation, turnover, payout, price-to-book), 8 of which the agent answered right
+again once it was cut. The reflector's key insight is cut
 the same way before a curator reads it (the curator copies it).
 
 ``restates_task`` compares a bullet with the tasks of the curator groups that proposed it (its
