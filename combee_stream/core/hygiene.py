@@ -51,8 +51,8 @@ to 13 of the 29 distinct bullets it proposed in three real runs, and the agent r
 for every task: a playbook that said "multiply by 1000" in an NPV bullet was followed by
 answers that scaled an input by 100 or 1000 on 9 held-out tasks the base prompt got right
 (market capitalisation, turnover, payout, price-to-book), 8 of which the agent answered right
-again once it was cut. The reflector's key insight is cut
-the same way before a curator reads it (the curator copies it).
+again once it was cut. The reflector's key insight is cut the same way before a curator reads
+it (the curator copies it).
 
 ``restates_task`` compares a bullet with the tasks of the curator groups that proposed it (its
 own sources; the window's tasks for a bullet only a combiner wrote), and a bullet that carries a
