@@ -283,6 +283,12 @@ def without_narration(text: str) -> str:
     return " ".join(kept)
 
 
+def as_rule(text: str, bound: int) -> str:
+    """``text`` without what a small model's reply carries that is no part of a rule: a last
+    sentence the length bound (``bound``) cut and sentences that narrate one trace."""
+    return without_narration(without_cut_sentence(text, bound))
+
+
 def _operator_terms(text: str) -> list[str]:
     """The formula of a text as the operator and a word on each side of it (``ratio = current``,
     ``assets / current``), and its function calls (``ceil(``), lower case, ``×`` as ``*``."""
@@ -426,6 +432,7 @@ __all__ = [
     "NEAR_DUPLICATE_WORDS",
     "QUOTED_WORDS",
     "RESTATED",
+    "as_rule",
     "carries_markup",
     "compile_policy",
     "content_words",

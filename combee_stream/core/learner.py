@@ -72,13 +72,12 @@ from combee_stream.core.gate import AcceptAll, PublishGate
 from combee_stream.core.holdout import HoldoutPolicy
 from combee_stream.core.hygiene import (
     DEFAULT_POLICY,
+    as_rule,
     compile_policy,
     quoted_spans,
     review_adds,
     review_edits,
     violates,
-    without_cut_sentence,
-    without_narration,
     without_rendered_prefix,
 )
 from combee_stream.core.outputs import (
@@ -308,9 +307,7 @@ class Learner:
             root_cause=out.root_cause_analysis,
             correct_approach=out.correct_approach,
             # The curator copies the insight: what is no part of the rule goes before it does.
-            key_insight=without_narration(
-                without_cut_sentence(out.key_insight, self._bounds.get("reflector", 0))
-            ),
+            key_insight=as_rule(out.key_insight, self._bounds.get("reflector", 0)),
             bullet_tags=tags,
         )
         return ReflectionRecord(
@@ -555,9 +552,7 @@ class Learner:
             for group_of in proposal.merges:
                 by_id = {b.id: b for b in section.bullets}
                 ids = list(dict.fromkeys(group_of.bullet_ids))
-                text = without_narration(
-                    without_cut_sentence(group_of.content.strip(), self._bounds.get("curator", 0))
-                )
+                text = as_rule(group_of.content.strip(), self._bounds.get("curator", 0))
                 if (
                     len(ids) < 2
                     or any(i not in by_id for i in ids)
@@ -665,8 +660,7 @@ def tidied(operations: Sequence[Operation], bound: int) -> list[Operation]:
     out: list[Operation] = []
     for op in operations:
         if isinstance(op, AddOp | UpdateOp):
-            content = without_cut_sentence(without_rendered_prefix(op.content), bound)
-            content = without_narration(content)
+            content = as_rule(without_rendered_prefix(op.content), bound)
             op = msgspec.structs.replace(op, content=content)
         out.append(op)
     return out
