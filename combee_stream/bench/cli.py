@@ -113,6 +113,13 @@ def register(subparsers: Any) -> None:
         metavar="COSINE",
         help="learning.merge_similar of the learners (default 0.5; 0 = off)",
     )
+    q.add_argument(
+        "--combine",
+        choices=("union", "llm"),
+        default="union",
+        help="learning.combine of combee: the union of the groups' operations (default) or "
+        "one combiner call that merges them",
+    )
     q.add_argument("--work", type=Path, default=None, help="traces and playbooks (resumable)")
     broker = parser.add_argument_group("local Kafka broker (saturation, overhead, latency)")
     broker.add_argument("--broker-port", type=int, default=None, help="default: broker.port")
@@ -214,6 +221,7 @@ async def _quality(config: Config, args: argparse.Namespace, quick: bool) -> qua
         gate=not args.no_gate,
         reflect_successes=args.reflect_successes,
         merge_similar=args.merge_similar,
+        combine=args.combine,
         seed=args.seed,
     )
     # A 1.5B reflector asked about a success that cited nothing writes noise ("the formula
@@ -227,6 +235,7 @@ async def _quality(config: Config, args: argparse.Namespace, quick: bool) -> qua
             config.learning,
             reflect_successes=args.reflect_successes,
             merge_similar=args.merge_similar,
+            combine=args.combine,
             seed=args.seed,
         ),
     )

@@ -82,6 +82,7 @@ class QualitySettings(Struct, kw_only=True):
     gate: bool = True  # the replay gate reviews every candidate
     reflect_successes: str = "all"  # learning.reflect_successes of the learners
     merge_similar: float = 0.0  # learning.merge_similar of the learners
+    combine: str = "union"  # learning.combine of combee (naive has one group, nothing to combine)
     seed: int = 0  # learning.seed (the shuffle); the held-out key is the work folder's secret
     endpoints: dict[str, str] = {}  # role -> "model at base_url"
 
@@ -544,7 +545,11 @@ def _notes(s: QualitySettings, capacity: Capacity) -> list[str]:
         f"Held-out: {s.held_out_n} tasks of {s.held_out!r}, none of them in the training stream; "
         "each prompt answers every one of them once (temperature 0).",
         f"Learning: offline `learn` (the engine's key pipeline, synchronous windows), batch size "
-        f"{s.batch_size} for naive and combee, 1 for sequential;{sequential} union combine; "
+        f"{s.batch_size} for naive and combee, 1 for sequential;{sequential} "
+        + {"union": "union combine", "llm": "combine by one combiner call per window"}.get(
+            s.combine, s.combine
+        )
+        + "; "
         "bullet review on; successes reflected: "
         + {
             "all": "all (ACE)",
