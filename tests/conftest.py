@@ -88,6 +88,23 @@ def config(kafka_bootstrap: str, kafka_broker: BrokerConfig) -> Config:
     )
 
 
+# The third-party task sets beside the clone (../shared/datasets), or where COMBEE_DATASETS says.
+DATASETS = Path(
+    os.environ.get("COMBEE_DATASETS") or Path(__file__).resolve().parents[2] / "shared" / "datasets"
+)
+
+
+@pytest.fixture
+def datasets() -> Path:
+    """The shared datasets: skipped on a laptop without them, a failure under CI=true."""
+    if not DATASETS.is_dir():
+        reason = f"the shared datasets are not at {DATASETS} (set COMBEE_DATASETS)"
+        if _in_ci():
+            pytest.fail(reason, pytrace=False)
+        pytest.skip(reason)
+    return DATASETS
+
+
 @pytest.fixture
 def unique() -> str:
     """A short random suffix for topic and group names, so tests never share state."""
@@ -98,7 +115,7 @@ def unique() -> str:
 # llama_url, test_local_embeddings' minilm_dir, which `make llm-prepare` fetches): their tests
 # are marked ``build`` and run last, so that `make test` can run every other test while it
 # builds them in the background (tests/timed_run.py).
-BUILD_FIXTURES = frozenset({"otelcol_binary", "llama_url", "minilm_dir"})
+BUILD_FIXTURES = frozenset({"otelcol_binary", "llama_build", "llama_url", "minilm_dir"})
 
 
 def _order(item: pytest.Item) -> int:

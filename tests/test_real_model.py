@@ -78,14 +78,19 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def llama_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Base URL (without /v1) of ``combee-stream llm serve`` running SmolLM2 for this module."""
+def llama_build() -> None:
+    """The llama-server build and the model; skipped without them, failed when CI=true."""
     wait_for_build(CACHE_NAME)  # `make test` builds it in the background meanwhile
     if not (is_built() and (STATE / "models" / f"{MODEL}.gguf").is_file()):
         reason = f"no llama-server build or no {MODEL} in {STATE}: run `make llm-prepare`"
         if _in_ci():
             pytest.fail(reason, pytrace=False)
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def llama_url(tmp_path_factory: pytest.TempPathFactory, llama_build: None) -> Iterator[str]:
+    """Base URL (without /v1) of ``combee-stream llm serve`` running SmolLM2 for this module."""
     log = tmp_path_factory.mktemp("llama") / "serve.log"
     port = _free_port()
     command = [
@@ -253,3 +258,68 @@ def test_eval_runs_the_example_agent_on_the_real_model(llama_url: str) -> None:
     low, high = report["ci95"]
     assert 0.0 <= low <= report["accuracy"] <= high <= 1.0
     assert set(report["by_family"]) == {"compound_interest", "ratio_percent"}
+
+
+@pytest.mark.realmodel
+@pytest.mark.timeout(1500)
+def test_bench_quality_runs_end_to_end_and_a_rerun_reuses_every_finished_item(
+    tmp_path: Path, datasets: Path, llama_build: None
+) -> None:
+    """``bench quality`` as a user runs it (``--local`` starts the model), combee with the LLM
+    combine, at the smallest sizes (SmolLM2 often writes to the agent's token cap on these
+    tasks); then the same command again with every role pointed at a closed port: the rerun
+    can only finish if it reuses each training trace, each evaluated answer and the learned
+    playbook instead of asking a model."""
+    finance = datasets / "ace-finance"
+    work, out = tmp_path / "work", tmp_path / "out"
+    args = [
+        "bench", "quality",
+        "--train", f"formula:{finance / 'formula_train_subset_500.jsonl'}", "--train-n", "4",
+        "--held-out", f"formula:{finance / 'formula_val_subset_300.jsonl'}", "--held-out-n", "2",
+        "--batch-size", "4", "--strategies", "combee", "--combine", "llm",
+        # One window of 4 reflections (no trace held out for a gate, every success reflected):
+        # 2 groups, so the combiner is called.
+        "--no-gate", "--reflect-successes", "all",
+        "--work", str(work), "--json",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMBEE__")}
+    command = [sys.executable, "-m", "combee_stream", "--log-level", "warning"]
+    first = subprocess.run(
+        [*command, *args, "--local", MODEL, "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=1400, cwd=REPO,
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    report = json.loads(first.stdout.strip().splitlines()[-1])
+    assert report["simulated"] is False and report["settings"]["model"] == MODEL
+    assert report["settings"]["combine"] == "llm"
+    assert any("one combiner call per window" in note for note in report["notes"])
+    base, combee = report["results"]
+    assert (base["prompt"], combee["prompt"]) == ("base", "combee")
+    assert base["n"] == combee["n"] == 2
+    assert 0 <= base["correct"] <= 2 and 0 <= combee["correct"] <= 2
+    assert sum(n for n, _ in base["by_family"].values()) == base["correct"]
+    assert combee["learn_calls"] > 0 and combee["learn_tokens_in"] > 0
+    learned = msgspec.json.decode((work / "combee" / "report.json").read_bytes())
+    assert learned["complete"] and learned["combine"] == "llm" and learned["traces"] == 4
+    assert learned["learned"] + len(learned["failed"]) == 4
+    roles = learned["per_role"]
+    assert roles["reflector"]["calls"] == 4 and roles["curator"]["calls"] == 2, roles
+    assert roles["combiner"]["calls"] == 1, roles
+    assert len((work / "train_traces.jsonl").read_bytes().splitlines()) == 4
+    assert (out / "quality.md").is_file() and "Nothing in this table is simulated" in (
+        out / "quality.md"
+    ).read_text()
+    files = {p.name: p.read_bytes() for p in work.rglob("*.jsonl")}
+
+    closed = f"http://127.0.0.1:{_free_port()}/v1"
+    for role in ("AGENT", "REFLECTOR", "CURATOR", "COMBINER", "EMBEDDINGS"):
+        env[f"COMBEE__LLM__{role}__BASE_URL"] = closed
+    env["COMBEE__LLM__AGENT__MODEL"] = MODEL  # the answers are kept by model, prompt and tasks
+    again = subprocess.run(
+        [*command, *args], env=env, capture_output=True, text=True, timeout=600, cwd=REPO
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    rerun = json.loads(again.stdout.strip().splitlines()[-1])
+    for field in ("results", "capacity", "train_accuracy", "train_wall_s", "targets"):
+        assert rerun[field] == report[field], field
+    assert {p.name: p.read_bytes() for p in work.rglob("*.jsonl")} == files, "nothing re-done"

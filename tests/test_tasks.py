@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import re
 from fractions import Fraction
 from pathlib import Path
@@ -15,27 +14,6 @@ from combee_stream.evaluation.calculator import CalculatorError, evaluate
 from combee_stream.evaluation.stats import mcnemar_exact, paired, wilson
 from combee_stream.tasks import generate_tasks, is_correct, load_tasks, parse_number
 from combee_stream.tasks.base import Task, finer_items, formula, miss_kind, numeric, task_feedback
-
-# The third-party task sets beside the clone (../shared/datasets), or where COMBEE_DATASETS says.
-DATASETS = Path(
-    os.environ.get("COMBEE_DATASETS") or Path(__file__).resolve().parents[2] / "shared" / "datasets"
-)
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").lower() in ("true", "1", "yes")
-
-
-@pytest.fixture
-def datasets() -> Path:
-    """The shared datasets: skipped on a laptop without them, a failure under CI=true."""
-    if not DATASETS.is_dir():
-        reason = f"the shared datasets are not at {DATASETS} (set COMBEE_DATASETS)"
-        if _in_ci():
-            pytest.fail(reason, pytrace=False)
-        pytest.skip(reason)
-    return DATASETS
-
 
 MONEY = r"\$([\d,]+(?:\.\d+)?)"
 
