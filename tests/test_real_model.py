@@ -260,6 +260,12 @@ def test_eval_runs_the_example_agent_on_the_real_model(llama_url: str) -> None:
     assert set(report["by_family"]) == {"compound_interest", "ratio_percent"}
 
 
+def _jsonl_files(folder: Path) -> dict[str, bytes]:
+    """Every JSONL file under ``folder`` by its relative path (memo and history sit in the
+    strategy's folder, the traces and answers at the top)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*.jsonl")}
+
+
 @pytest.mark.realmodel
 @pytest.mark.timeout(1500)
 def test_bench_quality_runs_end_to_end_and_a_rerun_reuses_every_finished_item(
@@ -309,7 +315,7 @@ def test_bench_quality_runs_end_to_end_and_a_rerun_reuses_every_finished_item(
     assert (out / "quality.md").is_file() and "Nothing in this table is simulated" in (
         out / "quality.md"
     ).read_text()
-    files = {p.name: p.read_bytes() for p in work.rglob("*.jsonl")}
+    files = _jsonl_files(work)
 
     closed = f"http://127.0.0.1:{_free_port()}/v1"
     for role in ("AGENT", "REFLECTOR", "CURATOR", "COMBINER", "EMBEDDINGS"):
@@ -322,4 +328,4 @@ def test_bench_quality_runs_end_to_end_and_a_rerun_reuses_every_finished_item(
     rerun = json.loads(again.stdout.strip().splitlines()[-1])
     for field in ("results", "capacity", "train_accuracy", "train_wall_s", "targets"):
         assert rerun[field] == report[field], field
-    assert {p.name: p.read_bytes() for p in work.rglob("*.jsonl")} == files, "nothing re-done"
+    assert _jsonl_files(work) == files, "nothing re-done"
