@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import structlog
 from broker_support import broker_command
+from ci_support import in_ci
 
 from combee_stream.config import BrokerConfig, Config, load_config
 from combee_stream.kafka.broker import broker_status
@@ -33,10 +34,6 @@ def _test_broker() -> BrokerConfig:
     return BrokerConfig(
         port=port, controller_port=controller, state_dir=str(REPO / ".state" / "kafka-test")
     )
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").lower() in ("true", "1", "yes")
 
 
 @pytest.fixture(scope="session")
@@ -65,7 +62,7 @@ def kafka_bootstrap(kafka_broker: BrokerConfig) -> Iterator[str]:
             f"the local Kafka broker did not start (exit {started.returncode}):\n"
             f"{started.stderr.strip()}"
         )
-        if _in_ci():
+        if in_ci():
             pytest.fail(reason, pytrace=False)
         pytest.skip(reason)
     try:
@@ -99,7 +96,7 @@ def datasets() -> Path:
     """The shared datasets: skipped on a laptop without them, a failure under CI=true."""
     if not DATASETS.is_dir():
         reason = f"the shared datasets are not at {DATASETS} (set COMBEE_DATASETS)"
-        if _in_ci():
+        if in_ci():
             pytest.fail(reason, pytrace=False)
         pytest.skip(reason)
     return DATASETS

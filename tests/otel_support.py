@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 import pytest
+from ci_support import in_ci
 
 from combee_stream.buildcache import cache_root, cached, cached_build
 
@@ -298,10 +299,6 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
             process.wait()
 
 
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").lower() in ("true", "1", "yes")
-
-
 @pytest.fixture(scope="session")
 def otelcol_binary() -> Path:
     """The built collector (waited for while ``make otelcol-prepare`` builds it, built here
@@ -310,7 +307,7 @@ def otelcol_binary() -> Path:
     try:
         return build_collector(say=lambda line: print(line, file=sys.stderr))
     except CollectorError as exc:
-        if shutil.which("go") is not None or _in_ci():
+        if shutil.which("go") is not None or in_ci():
             pytest.fail(str(exc), pytrace=False)
         pytest.skip(f"no collector build in the build cache: {exc}")
 

@@ -36,6 +36,7 @@ from typing import Annotated, Final, Literal, TypeVar
 import anyio
 import msgspec
 import pytest
+from ci_support import in_ci
 
 from combee_stream.buildcache import wait_for_build
 from combee_stream.config import LearningConfig, LLMConfig
@@ -67,10 +68,6 @@ BULLET_ID: Final = re.compile(r"^[a-z]+-\d{5}$")
 Name = Annotated[str, msgspec.Meta(pattern=r'^[^\x00-\x1f"\\]{1,32}$')]
 
 
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").lower() in ("true", "1", "yes")
-
-
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -83,7 +80,7 @@ def llama_build() -> None:
     wait_for_build(CACHE_NAME)  # `make test` builds it in the background meanwhile
     if not (is_built() and (STATE / "models" / f"{MODEL}.gguf").is_file()):
         reason = f"no llama-server build or no {MODEL} in {STATE}: run `make llm-prepare`"
-        if _in_ci():
+        if in_ci():
             pytest.fail(reason, pytrace=False)
         pytest.skip(reason)
 
