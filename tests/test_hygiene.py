@@ -278,3 +278,26 @@ def test_sentences_that_narrate_the_trace_are_cut_and_the_rule_kept() -> None:
         )
         == "When discounting, use (1 + r)^t."
     )
+
+
+def test_padding_after_a_formula_name_is_no_lesson_and_a_rule_after_one_is_kept() -> None:
+    # Bullets a 1.5B curator proposed in a real run (2026-12-04): the formula's name in the
+    # "When ..." clause used to carry the padding after it past the generic-advice check.
+    padded = [
+        "When calculating the Days Sales Outstanding (DSO), it is important to follow the "
+        "playbook's instructions and ensure that all calculations are done correctly and that "
+        "the units are consistent.",
+        "When using the Capital Asset Pricing Model (CAPM), it is important to use the correct "
+        "formula and substitute the given values into the formula.",
+        "When using the Compound Interest formula, it is important to follow the correct syntax "
+        "and order of operations.",
+    ]
+    rules = [
+        "When using the Sortino Ratio, subtract R_f from R_p, do not divide R_p by R_f.",
+        "When using the DDM formula, put parentheses around the subtraction in the denominator.",
+        "When a rate is given as a percentage, write it as a decimal fraction in the expression.",
+        "When the question asks for 2 decimal places, wrap the expression in round(..., 2).",
+    ]
+    delta = Delta(key=KEY, operations=[AddOp(section="S", content=t) for t in padded + rules])
+    rejected = review_adds(playbook(), delta, tasks=[])
+    assert rejected == {0: "no_lesson", 1: "no_lesson", 2: "no_lesson"}

@@ -32,7 +32,8 @@ is counted by reason in the version's stats (``UpdateStats.skipped``):
   words, it does not forward what a trace carried.
 - ``no_lesson``: fewer than ``MIN_WORDS`` content words, or only words of generic advice
   (``GENERIC``: "always double-check the formula and the conventions" teaches nothing a model
-  did not already try to do).
+  did not already try to do) in what it says to do (:func:`teaches_nothing`: after its "When
+  <situation>," clause, whose formula name would otherwise let any padding through).
 
 - ``bullet_markup``: it carries a rendered bullet's id or counters (``strat-00008]
   helpful=0 harmful=0 :: ...``): a small model copying the playbook's own lines into a bullet.
@@ -99,7 +100,19 @@ GENERIC: Final = frozenset(
     "result results answer appropriate important use using used follow instructions mistake "
     "mistakes avoid error errors convention conventions units data information given problem "
     "solution method methods values value all any each every before after carefully".split()
+    # What a 1.5B curator pads a rule with ("it's important to follow the playbook's
+    # instructions", "check the syntax and order of operations", "substitute the given values
+    # into the formula"); "s" is what is left of "it's" and "playbook's".
+    + "s playbook playbooks consistent consistency substitute substituted substituting syntax "
+    "order operations check checked checking apply applied applying implement implemented "
+    "implementing done these those into precise precision accurately understandable user "
+    "financial metric metrics tool tools programming language languages".split()
 )
+# "When <situation>, <advice>": the situation says where a rule applies, and a formula's name
+# there ("Days Sales Outstanding") is enough to pass the content-word check on its own, so the
+# advice after it is judged alone: "When calculating the DSO, it is important to follow the
+# playbook's instructions and ensure that all calculations are done correctly" teaches nothing.
+_SITUATION = re.compile(r"^\s*(?:when|whenever|if|for|before|after)\b[^,.;]{0,200},\s*", re.I)
 # The default content policy: what no bullet may carry, whatever the deployment adds. Each is
 # something an attacker with write access to the traces topic would put in a bullet, and none
 # is part of a lesson an agent needs.
@@ -157,6 +170,14 @@ KEPT_MEANING: Final = 0.7
 
 def content_words(text: str) -> list[str]:
     return [w for w in normalize(text).split() if w not in _STOP]
+
+
+def teaches_nothing(text: str) -> bool:
+    """Whether a bullet is generic advice: every content word of what it says to do (its
+    text after a leading "When <situation>," clause) is in ``GENERIC``."""
+    match = _SITUATION.match(text)
+    advice = text[match.end() :] if match else text
+    return all(w in GENERIC for w in content_words(advice))
 
 
 def near_duplicates(a: frozenset[str], b: frozenset[str]) -> bool:
@@ -374,7 +395,7 @@ def review_adds(
             continue
         norm = normalize(add.content)
         words = content_words(add.content)
-        if len(words) < MIN_WORDS or all(w in GENERIC for w in words):
+        if len(words) < MIN_WORDS or teaches_nothing(add.content):
             rejected[i] = "no_lesson"
             continue
         if contradicts_itself(add.content):
