@@ -44,7 +44,7 @@ from msgspec import Struct
 from combee_stream.agent.prompts import Prompt
 from combee_stream.agent.recorder import RunRecorder
 from combee_stream.bench.report import Target, document, table
-from combee_stream.config import Config
+from combee_stream.config import Config, GateConfig
 from combee_stream.core.playbook import render
 from combee_stream.evaluation.answerer import Answerer
 from combee_stream.evaluation.run import EvalResult, TaskOutcome, compare, evaluate
@@ -334,7 +334,7 @@ async def run_quality(config: Config, settings: QualitySettings, out: Path) -> Q
         results=rows,
         combee_vs_naive=combee_vs_naive,
         targets=_targets(rows, combee_vs_naive),
-        notes=_notes(s, capacity),
+        notes=_notes(s, capacity, config.gate),
     )
 
 
@@ -532,7 +532,7 @@ def _targets(rows: list[PromptRow], combee_vs_naive: Paired | None) -> list[Targ
     return targets
 
 
-def _notes(s: QualitySettings, capacity: Capacity) -> list[str]:
+def _notes(s: QualitySettings, capacity: Capacity, gate: GateConfig) -> list[str]:
     sequential = (
         f" sequential learns from the first {s.sequential_n} traces only." if s.sequential_n else ""
     )
@@ -563,8 +563,13 @@ def _notes(s: QualitySettings, capacity: Capacity) -> list[str]:
         )
         + f"; shuffle seed {s.seed}; "
         + (
-            "replay gate on (a quarter of the stream held out by hash; reviews from 10 tasks, "
-            "margin 0.15, and no candidate answering fewer of them than its parent)."
+            f"replay gate on ({gate.holdout_fraction:.0%} of the stream held out by hash; "
+            f"reviews from {gate.min_samples} tasks, margin {gate.margin:g}"
+            + (
+                ", and no candidate answering fewer of them than its parent)."
+                if gate.no_worse
+                else ")."
+            )
             if s.gate
             else "replay gate off."
         ),
