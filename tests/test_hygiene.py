@@ -291,13 +291,17 @@ def test_padding_after_a_formula_name_is_no_lesson_and_a_rule_after_one_is_kept(
         "formula and substitute the given values into the formula.",
         "When using the Compound Interest formula, it is important to follow the correct syntax "
         "and order of operations.",
+        "When implementing a formula, it is important to check the syntax and ensure that the "
+        "formula is correctly applied. If the formula is not correctly implemented, it can lead "
+        "to incorrect results and errors.",
     ]
     rules = [
         "When using the Sortino Ratio, subtract R_f from R_p, do not divide R_p by R_f.",
         "When using the DDM formula, put parentheses around the subtraction in the denominator.",
+        "When a value is a percentage, make sure it is correct. Write it as a decimal fraction.",
         "When a rate is given as a percentage, write it as a decimal fraction in the expression.",
         "When the question asks for 2 decimal places, wrap the expression in round(..., 2).",
     ]
     delta = Delta(key=KEY, operations=[AddOp(section="S", content=t) for t in padded + rules])
     rejected = review_adds(playbook(), delta, tasks=[])
-    assert rejected == {0: "no_lesson", 1: "no_lesson", 2: "no_lesson"}
+    assert rejected == {i: "no_lesson" for i in range(len(padded))}

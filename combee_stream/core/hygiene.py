@@ -106,7 +106,8 @@ GENERIC: Final = frozenset(
     + "s playbook playbooks consistent consistency substitute substituted substituting syntax "
     "order operations check checked checking apply applied applying implement implemented "
     "implementing done these those into precise precision accurately understandable user "
-    "financial metric metrics tool tools programming language languages".split()
+    "financial metric metrics tool tools programming language languages can lead incorrect "
+    "incorrectly wrong wrongly".split()
 )
 # "When <situation>, <advice>": the situation says where a rule applies, and a formula's name
 # there ("Days Sales Outstanding") is enough to pass the content-word check on its own, so the
@@ -173,11 +174,16 @@ def content_words(text: str) -> list[str]:
 
 
 def teaches_nothing(text: str) -> bool:
-    """Whether a bullet is generic advice: every content word of what it says to do (its
-    text after a leading "When <situation>," clause) is in ``GENERIC``."""
-    match = _SITUATION.match(text)
-    advice = text[match.end() :] if match else text
-    return all(w in GENERIC for w in content_words(advice))
+    """Whether a bullet is generic advice: in each of its sentences, every content word of
+    what it says to do (the sentence after a leading "When <situation>," clause) is in
+    ``GENERIC``."""
+
+    def generic(sentence: str) -> bool:
+        match = _SITUATION.match(sentence)
+        advice = sentence[match.end() :] if match else sentence
+        return all(w in GENERIC for w in content_words(advice))
+
+    return all(generic(sentence) for sentence in _SENTENCE_END.split(text.strip()))
 
 
 def near_duplicates(a: frozenset[str], b: frozenset[str]) -> bool:
