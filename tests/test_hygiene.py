@@ -265,6 +265,12 @@ def test_sentences_that_narrate_the_trace_are_cut_and_the_rule_kept() -> None:
         "When calculating the Annual Percentage Rate (APR), round the result to 2 decimal "
         "places as the task requires.",
     ]
+    # A real run's (2026-12-04) sentence giving the one trace's wrong and expected answers.
+    ddm = (
+        "When using the DDM formula, put parentheses around r - g. This mistake led to the "
+        "incorrect result of 14.58 instead of the expected 27.5."
+    )
+    assert without_narration(ddm) == "When using the DDM formula, put parentheses around r - g."
     # A rule addressed to the agent, over several sentences, is not narration.
     rule = "When a rate is asked as a decimal, write 4% as 0.04. Round the result as the task asks."
     assert without_narration(rule) == rule

@@ -161,7 +161,9 @@ _NARRATION = re.compile(
     r"\bin (?:this|that|the given) (?:case|task|example|problem|question|scenario|instance|trace)\b"
     r"|\bthe agent (?:should have|should've|did not|didn't|failed|forgot|instead|incorrectly|"
     r"mistakenly|used|wrote|applied|gave|got|made|was|had)\b"
-    r"|\bwhich (?:is|was) (?:incorrect|wrong)\b",
+    r"|\bwhich (?:is|was) (?:incorrect|wrong)\b"
+    r"|\b(?:this|the) (?:mistake|error|oversight) (?:led|leads|caused|causes|resulted|results)\b"
+    r"|\binstead of the expected\b",
     re.IGNORECASE,
 )
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(\"'`])")
