@@ -415,14 +415,16 @@ async def _evaluated(
     phases: _Phases,
 ) -> EvalResult:  # fmt: skip
     """One prompt on the held-out tasks, each answer appended to ``out`` as it is scored: the
-    suite is long on 2 cores, and a rerun reuses every answer of the same model, prompt and
-    tasks. Its wall time is every invocation's that answered some of them (``phases.json``),
-    not this one's only: a rerun that reuses a finished evaluation reports what it took."""
-    identity = "\n".join([config.llm.agent.model, prompt, *(t.id for t in tasks)])
+    suite is long on 2 cores, and a rerun reuses every answer of the same model and prompt to
+    a task it asks (one with more held-out tasks asks only the new ones). Its wall time is
+    every invocation's that answered some of them (``phases.json``), not this one's only: a
+    rerun that reuses a finished evaluation reports what it took."""
+    identity = "\n".join([config.llm.agent.model, prompt])
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
     name = f"eval-{label}-{digest}"
     path = out / f"{name}.jsonl"
-    done = _read_outcomes(path)
+    asked = {t.id for t in tasks}
+    done = [o for o in _read_outcomes(path) if o.task_id in asked]
     answered = {o.task_id for o in done}
     async with LLMClient(config.llm) as llm:
         if all(t.id in answered for t in tasks):  # no call: every task is answered
