@@ -404,12 +404,22 @@ async def _bring_up(state: BrokerState, paths: BrokerPaths, limit_s: float, warm
         ) from None
 
 
+_DEAD_AFTER_LOOKS = 3
+
+
 async def _await_ready(state: BrokerState, paths: BrokerPaths) -> None:
     """Ready = the client port accepts (Kafka opens it only once the broker is unfenced)
     AND a metadata round trip through aiokafka lists this broker."""
 
+    misses = 0
+
     def check_alive() -> None:
-        if not _is_our_broker(state.pid, paths):
+        # Three looks in a row, one poll apart: a single failed look at /proc is not proof. A
+        # CI run (2026-12-04, a Go build loading both cores) declared a just-spawned broker
+        # dead and stopped it before it wrote a line of its log: nothing said the JVM failed.
+        nonlocal misses
+        misses = 0 if _is_our_broker(state.pid, paths) else misses + 1
+        if misses >= _DEAD_AFTER_LOOKS:
             raise BrokerError(
                 f"Kafka exited during startup (log: {paths.log_file})",
                 _tail_file(paths.log_file, _LOG_TAIL_LINES),
