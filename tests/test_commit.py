@@ -194,20 +194,13 @@ def test_a_proposal_for_another_key_or_an_older_version_is_refused() -> None:
 
 
 def test_a_new_bullet_close_to_another_has_the_candidate_consolidated_before_review() -> None:
-    from combee_stream.core.playbook import has_similar_bullets
-
-    async def embed(texts: list[str]) -> list[list[float]]:
-        # Rounding rules point one way, the rest another: cosine 1 between the first two.
-        return [[1.0, 0.0] if "round" in t else [0.0, 1.0] for t in texts]
-
-    async def similar(playbook: Playbook, new: set[str]) -> bool:
-        return await has_similar_bullets(playbook, new, embed, 0.6)
-
     async def merge(
-        playbook: Playbook, stats: WindowStats
+        playbook: Playbook, new: set[str], stats: WindowStats
     ) -> tuple[Playbook, Consolidation | None]:
-        out = playbook.__copy__()
         rounding = [b for s in playbook.sections for b in s.bullets if "round" in b.content]
+        if len(rounding) < 2 or not any(b.id in new for b in rounding):
+            return playbook, None
+        out = playbook.__copy__()
         keep = [b for s in playbook.sections for b in s.bullets if "round" not in b.content]
         merged = msgspec.structs.replace(rounding[0], content="round every ratio as asked")
         out.sections = [msgspec.structs.replace(playbook.sections[0], bullets=[merged, *keep])]
@@ -219,8 +212,8 @@ def test_a_new_bullet_close_to_another_has_the_candidate_consolidated_before_rev
             ladder = Commit(
                 proposal(*lessons), new_playbook(KEY),
                 learning=LearningConfig(token_budget=BUDGET, consolidate_at=0), gate=gate,
-                review=reviewing(BUDGET), consolidate=merge, max_update_bytes=None,
-                similar=similar,
+                review=reviewing(BUDGET), consolidate=no_consolidation, max_update_bytes=None,
+                merge_similar=merge,
             )  # fmt: skip
             return await ladder.run()
 

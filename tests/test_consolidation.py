@@ -167,3 +167,81 @@ async def test_a_merge_that_drops_what_a_bullet_said_is_refused() -> None:
         else:
             assert report is not None and report.merged == expected
             assert [b.content for b in out.sections[0].bullets] == [npv, good.content]
+
+
+@pytest.mark.anyio
+async def test_bullets_that_give_the_same_advice_are_grouped_not_those_sharing_a_situation() -> (
+    None
+):
+    from combee_stream.core.playbook import advice, similar_groups
+
+    vocabulary = ("sharpe", "capm", "wacc", "sortino", "round", "decimal", "subtract", "risk")
+
+    async def embed(texts: list[str]) -> list[list[float]]:  # bag of words
+        return [[float(w in t.lower()) for w in vocabulary] for t in texts]
+
+    sharpe_round = "When calculating the Sharpe ratio, round the result to 2 decimal places."
+    capm_round = "When calculating the CAPM return, round the result to 2 decimal places."
+    sharpe_rf = "When calculating the Sharpe ratio, subtract the risk-free rate first."
+    wacc_round = "When computing the WACC, round the result to 2 decimal places."
+    sortino_rf = "When computing the Sortino ratio, subtract the risk-free rate first."
+    assert advice(sharpe_rf) == "subtract the risk-free rate first."
+    book = new_playbook(KEY)
+    book.sections = [
+        Section(name="FORMULAS & CALCULATIONS", bullets=[
+            Bullet(id="c-1", content=wacc_round), Bullet(id="c-2", content=sharpe_round),
+            Bullet(id="c-3", content=sharpe_rf), Bullet(id="c-4", content=capm_round),
+        ]),
+        Section(name="COMMON MISTAKES TO AVOID", bullets=[
+            Bullet(id="m-1", content=sortino_rf), Bullet(id="m-2", content=sharpe_rf),
+        ]),
+    ]  # fmt: skip
+    # c-2 and c-3 share their situation, not their advice: only the rounding rules are one
+    # group (the older c-1 with them); the second section has no new bullet.
+    assert await similar_groups(book, {"c-3", "c-4"}, embed, 0.8) == [(0, ["c-1", "c-2", "c-4"])]
+    assert await similar_groups(book, {"c-3"}, embed, 0.8) == []
+
+
+@pytest.mark.anyio
+async def test_a_group_is_shown_to_the_consolidator_alone_and_merged_within_itself() -> None:
+    from combee_stream.core.learner import Learner
+    from combee_stream.core.outputs import ConsolidatorOutput, Merge
+    from combee_stream.llm import Completion
+    from combee_stream.wiring import load_prompts
+
+    rounding = "When computing a {}, round it to the decimals the question asks for."
+    bullets = [
+        Bullet(id="s-1", content=rounding.format("Sharpe ratio"), helpful=1, sources=["t1"]),
+        Bullet(id="s-2", content="When a rate is given in percent, divide it by 100.", harmful=5),
+        Bullet(id="s-3", content=rounding.format("CAPM return"), helpful=2, sources=["t3"]),
+    ]
+    book = new_playbook(KEY)
+    book.sections = [Section(name="STRATEGIES & INSIGHTS", bullets=bullets)]
+    merged_text = "When computing a Sharpe ratio or a CAPM return, round it as the question asks."
+
+    class Consolidator:
+        def __init__(self) -> None:
+            self.shown: list[str] = []
+
+        async def complete(
+            self, role: str, messages: list[dict[str, str]], output_type: object
+        ) -> Completion:  # type: ignore[type-arg]
+            self.shown.append(messages[-1]["content"])
+            merges = [
+                Merge(bullet_ids=["s-1", "s-2"], content="s-2 is outside the group"),
+                Merge(bullet_ids=["s-1", "s-3"], content=merged_text),
+            ]
+            return Completion(value=ConsolidatorOutput(merges=merges), tokens_in=1, tokens_out=1,
+                              cached=False, attempts=1, latency_s=0.0)  # fmt: skip
+
+    consolidator = Consolidator()
+    learner = Learner(consolidator, LearningConfig(), prompts=load_prompts())  # type: ignore[arg-type]
+    out, report = await learner.consolidate(book, learner.new_stats(), groups=[(0, ["s-1", "s-3"])])
+    [shown] = consolidator.shown
+    assert "[s-1]" in shown and "[s-3]" in shown and "[s-2]" not in shown
+    assert report is not None and report.merged == [["s-1", "s-3"]] and report.refused == 1
+    assert report.dropped == []  # a merge of similar bullets drops nothing, harmful or not
+    [section] = out.sections
+    assert [b.id for b in section.bullets] == ["s-1", "s-2"]
+    assert (section.bullets[0].content, section.bullets[0].helpful) == (merged_text, 3)
+    assert section.bullets[0].sources == ["t1", "t3"]

@@ -559,7 +559,7 @@ def _notes(s: QualitySettings, capacity: Capacity, gate: GateConfig) -> list[str
             "none": "none",
         }.get(s.reflect_successes, s.reflect_successes)
         + (
-            f"; similar bullets merged at MiniLM cosine {s.merge_similar:g}"
+            f"; bullets giving the same advice merged (MiniLM cosine {s.merge_similar:g})"
             if s.merge_similar
             else ""
         )

@@ -11,8 +11,8 @@ steps (:class:`Commit`), each of which may narrow what the version carries:
 4. **consolidation** — near the budget (tokens, or the version's bytes near
    ``max_update_bytes``): the window's result consolidated; if that does not fit, the playbook
    alone, and the window applied onto it. One version either way; the gate reviews it whole.
-   Also (``learning.merge_similar``) when a new bullet is close to another of its section by
-   embeddings: the candidate consolidated, so a rule stated once per case becomes one;
+   Also (``learning.merge_similar``) when a new bullet gives the advice another of its section
+   gives, by embeddings: those bullets merged, so a rule stated once per case becomes one;
 5. **size** — a candidate over ``max_update_bytes`` is not reviewed (it cannot be published):
    it falls back;
 6. **gate** — the publish gate reviews the candidate; **blame-prune**: when it blames new
@@ -89,6 +89,10 @@ class Review(Protocol):
 
 
 Consolidate = Callable[[Playbook, WindowStats], Awaitable[tuple[Playbook, Consolidation | None]]]
+# (candidate, the ids it added, stats) -> the candidate with its similar bullets merged, or None.
+MergeSimilar = Callable[
+    [Playbook, set[str], WindowStats], Awaitable[tuple[Playbook, Consolidation | None]]
+]
 
 
 class Commit:
@@ -110,7 +114,7 @@ class Commit:
         holdout: Holdout | None = None,
         held_out: Sequence[Source] = (),
         measure: Callable[[WindowResult], int] | None = None,
-        similar: Callable[[Playbook, set[str]], Awaitable[bool]] | None = None,
+        merge_similar: MergeSimilar | None = None,
     ) -> None:
         if onto.key != proposal.key:
             raise ValueError(f"proposal for key {proposal.key!r} committed to {onto.key!r}")
@@ -129,7 +133,7 @@ class Commit:
         self._holdout = holdout
         self._held_out = list(held_out)
         self._measure = measure
-        self._similar = similar
+        self._merge_similar = merge_similar
         self._limit = max_update_bytes if measure is not None else None
         self._stats = msgspec.structs.replace(
             proposal.stats, stale_by=onto.version - proposal.snapshot_version
@@ -236,14 +240,13 @@ class Commit:
         return result
 
     async def _merged_similar(self, result: ApplyResult) -> ApplyResult:
-        """A new bullet that says what another of its section says (``similar``, the
-        learner's embedding check): the candidate consolidated, so the two become one rule."""
-        similar = self._similar
-        if similar is None or self._consolidation is not None or not result.applied:
+        """A new bullet that gives the advice another of its section gives (``merge_similar``,
+        the learner's embedding check and merge): the candidate with those merged, so the
+        rule stated once per case becomes one."""
+        if self._merge_similar is None or self._consolidation is not None or not result.applied:
             return result
-        if not await similar(result.playbook, set(result.added)):
-            return result
-        merged, consolidation = await self._consolidate(result.playbook, self._stats)
+        new = set(result.added)
+        merged, consolidation = await self._merge_similar(result.playbook, new, self._stats)
         if consolidation is None or not self._fits(narrowed := narrowed_to(result, merged)):
             return result
         self._consolidation = consolidation
@@ -463,6 +466,7 @@ def narrowed_to(result: ApplyResult, playbook: Playbook) -> ApplyResult:
 __all__ = [
     "Commit",
     "Consolidate",
+    "MergeSimilar",
     "Review",
     "changes",
     "narrowed_to",

@@ -82,7 +82,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Final
 
-from combee_stream.core.playbook import SkippedOp, SkipReason, normalize
+from combee_stream.core.playbook import SkippedOp, SkipReason, advice, normalize
 from combee_stream.schemas import AddOp, Delta, Playbook, RemoveOp, UpdateOp
 
 NEAR_DUPLICATE_WORDS: Final = 2
@@ -109,11 +109,6 @@ GENERIC: Final = frozenset(
     "financial metric metrics tool tools programming language languages can lead incorrect "
     "incorrectly wrong wrongly".split()
 )
-# "When <situation>, <advice>": the situation says where a rule applies, and a formula's name
-# there ("Days Sales Outstanding") is enough to pass the content-word check on its own, so the
-# advice after it is judged alone: "When calculating the DSO, it is important to follow the
-# playbook's instructions and ensure that all calculations are done correctly" teaches nothing.
-_SITUATION = re.compile(r"^\s*(?:when|whenever|if|for|before|after)\b[^,.;]{0,200},\s*", re.I)
 # The default content policy: what no bullet may carry, whatever the deployment adds. Each is
 # something an attacker with write access to the traces topic would put in a bullet, and none
 # is part of a lesson an agent needs.
@@ -180,10 +175,12 @@ def teaches_nothing(text: str) -> bool:
     what it says to do (the sentence after a leading "When <situation>," clause) is in
     ``GENERIC``."""
 
+    # The situation says where a rule applies, and a formula's name there ("Days Sales
+    # Outstanding") is enough to pass the content-word check on its own, so the advice after it
+    # is judged alone: "When calculating the DSO, it is important to follow the playbook's
+    # instructions and ensure that all calculations are done correctly" teaches nothing.
     def generic(sentence: str) -> bool:
-        match = _SITUATION.match(sentence)
-        advice = sentence[match.end() :] if match else sentence
-        return all(w in GENERIC for w in content_words(advice))
+        return all(w in GENERIC for w in content_words(advice(sentence)))
 
     return all(generic(sentence) for sentence in _SENTENCE_END.split(text.strip()))
 

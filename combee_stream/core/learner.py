@@ -95,9 +95,9 @@ from combee_stream.core.playbook import (
     apply,
     apply_semantic,
     cosine,
-    has_similar_bullets,
     normalize,
     playbook_tokens,
+    similar_groups,
 )
 from combee_stream.core.prompts import (
     Prompts,
@@ -466,11 +466,13 @@ class Learner:
         window's ``held_out`` traces already in them. ``measure``: the bytes of the version a
         result makes (the driver's :meth:`~combee_stream.core.versions.KeyChain.measure`),
         bounded by the learner's ``max_update_bytes``; without it nothing bounds the size."""
-        similar = self._similar if self._embed is not None and self._config.merge_similar else None
+        similar = (
+            self._merge_similar if self._embed is not None and self._config.merge_similar else None
+        )
         ladder = Commit(
             proposal, onto, learning=self._config, gate=self._gate, review=self._apply,
             consolidate=self.consolidate, max_update_bytes=self.max_update_bytes,
-            holdout=holdout, held_out=held_out, measure=measure, similar=similar,
+            holdout=holdout, held_out=held_out, measure=measure, merge_similar=similar,
         )  # fmt: skip
         return await ladder.run()
 
@@ -482,50 +484,74 @@ class Learner:
 
     async def _keeps_each(self, key: str, merged: str, texts: Sequence[str]) -> bool:
         """Whether a merge states one rule that each bullet it replaces said: embedding cosine
-        at least ``learning.merge_similar`` (0.5 when unset) from the merged text to every one
-        of them, and between every two of them. A 1.5B consolidator merged an NPV rule and two
-        rounding rules into the NPV rule alone (the first check), and in another run joined an
-        NPV units rule and a Sharpe rounding rule into one bullet of two sentences, 0.86 and
-        0.56 to them but 0.20 between them (the second: a merge is for rewordings of one rule,
-        not for two rules in one bullet). True without an embedding model (nothing to judge
-        with)."""
+        at least ``MERGE_COSINE`` from the merged text to every one of them, and between every
+        two of them. A 1.5B consolidator merged an NPV rule and two rounding rules into the NPV
+        rule alone (the first check), and in another run joined an NPV units rule and a Sharpe
+        rounding rule into one bullet of two sentences, 0.86 and 0.56 to them but 0.20 between
+        them (the second: a merge is for rewordings of one rule, not for two rules in one
+        bullet). True without an embedding model (nothing to judge with)."""
         if self._embed is None:
             return True
-        threshold = self._config.merge_similar or MERGE_COSINE
         try:
             vectors = await self._embed([merged, *texts])
         except LLMCallError as exc:
             raise WindowError(key, f"embedding a merged bullet: {exc}") from exc
         merged_vector, sources = vectors[0], vectors[1:]
-        return all(cosine(merged_vector, v) >= threshold for v in sources) and all(
-            cosine(a, b) >= threshold for i, a in enumerate(sources) for b in sources[i + 1 :]
+        return all(cosine(merged_vector, v) >= MERGE_COSINE for v in sources) and all(
+            cosine(a, b) >= MERGE_COSINE for i, a in enumerate(sources) for b in sources[i + 1 :]
         )
 
-    async def _similar(self, playbook: Playbook, new: set[str]) -> bool:
+    async def _merge_similar(
+        self, playbook: Playbook, new: set[str], stats: WindowStats
+    ) -> tuple[Playbook, Consolidation | None]:
+        """``playbook`` with each group of bullets that give the same advice as a bullet of
+        ``new`` (:func:`~combee_stream.core.playbook.similar_groups` at
+        ``learning.merge_similar``) merged by the consolidator, which is shown that group
+        alone: asked to find the groups in a whole section, a 1.5B consolidator named six
+        bullets of five different rules as one group (and the merge was refused), while shown
+        the three rounding rules it wrote one rule for beta, DSCR and WACC."""
         assert self._embed is not None
         try:
-            return await has_similar_bullets(playbook, new, self._embed, self._config.merge_similar)
+            groups = await similar_groups(playbook, new, self._embed, self._config.merge_similar)
         except LLMCallError as exc:
             raise WindowError(playbook.key, f"embedding similar bullets: {exc}") from exc
+        if not groups:
+            return playbook, None
+        return await self.consolidate(playbook, stats, groups=groups)
 
     async def consolidate(
-        self, playbook: Playbook, stats: WindowStats
+        self,
+        playbook: Playbook,
+        stats: WindowStats,
+        *,
+        groups: Sequence[tuple[int, list[str]]] | None = None,
     ) -> tuple[Playbook, Consolidation | None]:
         """``playbook`` with, per section, the near-duplicates the consolidator names merged
         into the first of each group (its id, the group's summed counts and provenance), and
         the bullets whose harmful count exceeds their helpful count by
         ``learning.drop_harmful_margin`` dropped; None when that changes nothing. A merge that
         names unknown or already merged bullets, or whose text is too long or breaks the
-        content policy, is refused; a section whose call fails is left as it is."""
+        content policy, is refused; a section whose call fails is left as it is. ``groups``
+        ((section index, bullet ids), see :meth:`_merge_similar`): the consolidator is shown
+        each group alone instead of each section, and nothing is dropped."""
         before = playbook_tokens(playbook)
         margin = self._config.drop_harmful_margin
         bullets = [b for s in playbook.sections for b in s.bullets]
-        dropped = [b.id for b in bullets if b.harmful >= b.helpful + margin]
+        dropped = [] if groups else [b.id for b in bullets if b.harmful >= b.helpful + margin]
         out = without(playbook, set(dropped))
+        if groups is None:
+            shown = [(i, s) for i, s in enumerate(out.sections) if len(s.bullets) > 1]
+        else:
+            shown = [
+                (i, msgspec.structs.replace(
+                    out.sections[i], bullets=[b for b in out.sections[i].bullets if b.id in ids]
+                ))
+                for i, ids in groups
+            ]  # fmt: skip
         limit = self._config.max_bullet_chars
         proposals: dict[int, ConsolidatorOutput] = {}
 
-        async def ask(index: int, section: Section) -> None:
+        async def ask(n: int, section: Section) -> None:
             messages = consolidator_messages(self._prompts, section, limit)
             stats.llm_calls += 1
             stats.consolidator_calls += 1
@@ -539,18 +565,19 @@ class Learner:
             stats.cached_calls += int(completion.cached)
             stats.tokens_in += completion.tokens_in
             stats.tokens_out += completion.tokens_out
-            proposals[index] = completion.value
+            proposals[n] = completion.value
 
         async with anyio.create_task_group() as tg:
-            for index, section in enumerate(out.sections):
-                if len(section.bullets) > 1:
-                    tg.start_soon(ask, index, section)
+            for n, (_, section) in enumerate(shown):
+                tg.start_soon(ask, n, section)
         merged: list[list[str]] = []
         refused = 0
-        for index, proposal in sorted(proposals.items()):
+        for n, proposal in sorted(proposals.items()):
+            index, view = shown[n]
             section = out.sections[index]
+            allowed = {b.id for b in view.bullets}
             for group_of in proposal.merges:
-                by_id = {b.id: b for b in section.bullets}
+                by_id = {b.id: b for b in section.bullets if b.id in allowed}
                 ids = list(dict.fromkeys(group_of.bullet_ids))
                 text = as_rule(group_of.content.strip(), self._bounds.get("curator", 0))
                 if (
@@ -666,8 +693,8 @@ def tidied(operations: Sequence[Operation], bound: int) -> list[Operation]:
     return out
 
 
-# Embedding cosine a merged bullet keeps to each bullet it replaces (learning.merge_similar
-# when set): MiniLM scores rewordings of one rule 0.6-0.9, different rules below 0.35.
+# Embedding cosine a merged bullet keeps to each bullet it replaces, whole bullets compared:
+# MiniLM scores rewordings of one rule 0.6-0.9, different rules below 0.35.
 MERGE_COSINE = 0.5
 _NO_LESSON = frozenset({"", "none", "n a", "no lesson", "nothing"})
 

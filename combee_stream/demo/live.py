@@ -120,7 +120,7 @@ async def run_live_demo(args: argparse.Namespace, config: Config) -> int:
                 min_batch_size=3,
                 max_batch_size=12,
                 reflect_successes="cited",
-                merge_similar=0.5 if cfg.llm.embeddings.enabled else 0.0,
+                merge_similar=0.8 if cfg.llm.embeddings.enabled else 0.0,
             ),
         )
         view = View(cfg.llm.agent.model, len(train))
