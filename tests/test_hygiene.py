@@ -271,6 +271,16 @@ def test_sentences_that_narrate_the_trace_are_cut_and_the_rule_kept() -> None:
         "incorrect result of 14.58 instead of the expected 27.5."
     )
     assert without_narration(ddm) == "When using the DDM formula, put parentheses around r - g."
+    # A worked step in the first person (a real run's, 2026-12-04, that made its agent scale
+    # inputs by a million on tasks it had answered right).
+    ev = (
+        "When calculating the Enterprise Value (EV), convert every amount to the same units. "
+        "The Market Cap is given in dollars, so we convert it to millions by dividing by "
+        "1,000,000."
+    )
+    assert without_narration(ev) == (
+        "When calculating the Enterprise Value (EV), convert every amount to the same units."
+    )
     # A rule addressed to the agent, over several sentences, is not narration.
     rule = "When a rate is asked as a decimal, write 4% as 0.04. Round the result as the task asks."
     assert without_narration(rule) == rule

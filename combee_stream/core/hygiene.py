@@ -158,7 +158,10 @@ _NARRATION = re.compile(
     r"mistakenly|used|wrote|applied|gave|got|made|was|had)\b"
     r"|\bwhich (?:is|was) (?:incorrect|wrong)\b"
     r"|\b(?:this|the) (?:mistake|error|oversight) (?:led|leads|caused|causes|resulted|results)\b"
-    r"|\binstead of the expected\b",
+    r"|\binstead of the expected\b"
+    # First person: "The Market Cap is given in dollars, so we convert it to millions" (a real
+    # run's EV bullet, 2026-12-04: its agent then scaled inputs by a million on 4 tasks).
+    r"|\bwe\b|\blet(?:'s| us)\b",
     re.IGNORECASE,
 )
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(\"'`])")
