@@ -110,14 +110,17 @@ async def run_live_demo(args: argparse.Namespace, config: Config) -> int:
         cfg = await _with_model(stack, cfg, args)
         cfg = msgspec.structs.replace(
             cfg,
-            engine=msgspec.structs.replace(cfg.engine, metrics_port=0, max_wait_s=30.0),
+            # Windows of at least 6 traces, waited for up to 2 minutes: the agent sends one
+            # about every 8 s, and with 30 s and 3 a run made 9 windows of one to five traces
+            # whose reflect-and-curate rounds, on the model the agent shares, took 35 minutes.
+            engine=msgspec.structs.replace(cfg.engine, metrics_port=0, max_wait_s=120.0),
             # A small local model learns as bench quality measures it: the reflector reads
             # failures and the successes that cited bullets, and a rule its curator states once
             # per case is merged into one (by the embedding model served beside it).
             learning=msgspec.structs.replace(
                 cfg.learning,
                 batch_size="auto",
-                min_batch_size=3,
+                min_batch_size=6,
                 max_batch_size=12,
                 reflect_successes="cited",
                 merge_similar=0.8 if cfg.llm.embeddings.enabled else 0.0,
