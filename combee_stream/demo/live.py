@@ -112,7 +112,9 @@ async def run_live_demo(args: argparse.Namespace, config: Config) -> int:
             cfg,
             # Windows of at least 6 traces, waited for up to 2 minutes: the agent sends one
             # about every 8 s, and with 30 s and 3 a run made 9 windows of one to five traces
-            # whose reflect-and-curate rounds, on the model the agent shares, took 35 minutes.
+            # whose reflect-and-curate rounds, on the model the agent shares, took 35 minutes;
+            # with these, 4 windows and 12.5 minutes in all (seed 867212, 2026-12-04; with 60 s
+            # and 4, 7 windows and 13.7 minutes).
             engine=msgspec.structs.replace(cfg.engine, metrics_port=0, max_wait_s=120.0),
             # A small local model learns as bench quality measures it: the reflector reads
             # failures and the successes that cited bullets, and a rule its curator states once
