@@ -537,7 +537,8 @@ class Learner:
         before = playbook_tokens(playbook)
         margin = self._config.drop_harmful_margin
         bullets = [b for s in playbook.sections for b in s.bullets]
-        dropped = [] if groups else [b.id for b in bullets if b.harmful >= b.helpful + margin]
+        harmful = [b.id for b in bullets if b.harmful >= b.helpful + margin]
+        dropped = harmful if groups is None else []
         out = without(playbook, set(dropped))
         if groups is None:
             shown = [(i, s) for i, s in enumerate(out.sections) if len(s.bullets) > 1]
