@@ -282,7 +282,8 @@ class GateReport(Struct, frozen=True, forbid_unknown_fields=True):
     lower: float
     broke: list[str] = []  # trace ids of the tasks right before and wrong under the candidate
     # Bullets of the window left out (the agent cited them on held-out tasks it answered
-    # wrong): the rest of the window was reviewed again, and this report is of that review.
+    # wrong, or the part of a refused candidate that was not kept, core/commit.py): the rest
+    # was reviewed again, and this report is of that review.
     pruned: list[str] = []
 
 

@@ -185,6 +185,64 @@ def test_a_gate_that_cannot_judge_yet_defers_and_the_next_window_is_reviewed_wit
     assert second.holdout is not None and second.holdout.pending == []
 
 
+def deferred_then(
+    second_lessons: Sequence[str], *verdicts: Verdict
+) -> tuple[Recording, WindowResult]:
+    """A first window deferred by the gate, then ``second_lessons`` committed with its waiting
+    lessons, the gate answering ``verdicts`` to the candidates after the deferral."""
+    gate = Recording(Verdict(accepted=False, reason="3 held-out task(s)", deferred=True), *verdicts)
+
+    async def main() -> WindowResult:
+        first = await committed(["round to the decimals asked"], gate)
+        ladder = Commit(
+            msgspec.structs.replace(proposal(*second_lessons), snapshot_version=1),
+            first.playbook, learning=LearningConfig(token_budget=BUDGET, consolidate_at=0),
+            gate=gate, review=reviewing(BUDGET), consolidate=no_consolidation,
+            max_update_bytes=None, holdout=first.holdout,
+        )  # fmt: skip
+        return await ladder.run()
+
+    return gate, anyio.run(main)
+
+
+REFUSED = Verdict(accepted=False, reason="worse on held-out tasks")
+
+
+def test_a_refused_candidate_after_a_deferral_keeps_the_earlier_windows_lessons_if_they_pass() -> (
+    None
+):
+    gate, result = deferred_then(
+        ["scale every amount by a million"], REFUSED, Verdict(accepted=True)
+    )
+    assert gate.shown[1:] == [
+        ["round to the decimals asked", "scale every amount by a million"],
+        ["round to the decimals asked"],
+    ]
+    assert result.rejection is None
+    assert bullets(result.playbook) == ["round to the decimals asked"]
+
+
+def test_then_this_windows_lessons_alone_and_a_refusal_of_both_parts_keeps_nothing() -> None:
+    gate, result = deferred_then(
+        ["write percentages as fractions"], REFUSED, REFUSED, Verdict(accepted=True)
+    )
+    assert gate.shown[-1] == ["write percentages as fractions"]
+    assert result.rejection is None and bullets(result.playbook) == gate.shown[-1]
+
+    gate, result = deferred_then(["write percentages as fractions"], REFUSED, REFUSED, REFUSED)
+    assert len(gate.shown) == 4  # the deferral, the whole, and each part once
+    assert result.rejection == GateRejection(gate="recording", reason="worse on held-out tasks")
+    assert bullets(result.playbook) == [] and result.holdout is not None
+    assert result.holdout.pending == []
+
+
+def test_a_refused_candidate_of_one_window_is_not_split() -> None:
+    gate = Recording(REFUSED, Verdict(accepted=True))
+    result = run(["one rule", "another rule"], gate)
+    assert gate.shown == [["one rule", "another rule"]]
+    assert isinstance(result.rejection, GateRejection) and bullets(result.playbook) == []
+
+
 def test_a_proposal_for_another_key_or_an_older_version_is_refused() -> None:
     with pytest.raises(ValueError, match="committed to"):
         Commit(

@@ -17,8 +17,10 @@ steps (:class:`Commit`), each of which may narrow what the version carries:
    it falls back;
 6. **gate** — the publish gate reviews the candidate; **blame-prune**: when it blames new
    bullets (the agent relied on them on held-out tasks and failed), once more without them,
-   kept when the rest passes; a refusal keeps nothing of the candidate; a gate that cannot
-   judge yet (too few held-out tasks) **defers**: what the review kept waits in
+   kept when the rest passes; **split**: a refused candidate that carries earlier windows'
+   waiting lessons and this window's is reviewed as its two parts, the earlier windows' first,
+   and the first part that passes is kept; a refusal keeps nothing of the candidate; a gate
+   that cannot judge yet (too few held-out tasks) **defers**: what the review kept waits in
    ``Holdout.pending`` for the next window, and this version carries the window's tags and
    provenance;
 7. **fall back** — tags + provenance, then provenance only (a gate refusal: provenance only);
@@ -47,6 +49,7 @@ from combee_stream.core.playbook import (
     SkippedOp,
     apply,
     copy_playbook,
+    find_bullet,
     normalize,
     playbook_tokens,
 )
@@ -146,6 +149,8 @@ class Commit:
         self._rejection: Rejection | None = None
         self._report: GateReport | None = None
         self._fallbacks: list[Delta] = []
+        self._waiting: set[str] = set()  # normalized ADDs earlier windows left with the gate
+        self._own: set[str] = set()  # ids of the bullets this window's own ADDs made
 
     async def run(self) -> WindowResult:
         started = anyio.current_time()
@@ -155,6 +160,10 @@ class Commit:
         self._rebase()
         self._take_pending()
         result = await self._within_budget(self._onto)
+        self._own = {
+            i for i in result.added
+            if (b := find_bullet(result.playbook, i)) and normalize(b.content) not in self._waiting
+        }  # fmt: skip
         result = await self._consolidated_near_budget(result)
         result = await self._merged_similar(result)
         applied_delta = self._delta
@@ -212,6 +221,7 @@ class Commit:
         for op in waiting.operations:
             if isinstance(op, AddOp):
                 self._add_tasks.setdefault(normalize(op.content), [])
+                self._waiting.add(normalize(op.content))
 
     async def _within_budget(self, base: Playbook, budget: int | None = -1) -> ApplyResult:
         """The review, then the delta applied onto ``base`` within ``budget`` (the token
@@ -290,10 +300,36 @@ class Commit:
                     self._report = msgspec.structs.replace(second.report, pruned=verdict.blame)
             verdict = second if second.accepted else verdict
         if not verdict.accepted:
+            result, verdict = await self._split(result, verdict)
+        if not verdict.accepted:
             self._rejection = GateRejection(gate=self._gate.name, reason=verdict.reason)
             self._base, self._consolidation = self._onto, None
             self._fallbacks = [self._keep_only(False)]
         return result
+
+    async def _split(self, result: ApplyResult, verdict: Verdict) -> tuple[ApplyResult, Verdict]:
+        """A refused candidate that carries both earlier windows' waiting lessons and this
+        window's, reviewed as each part alone (the earlier windows' first: they waited only
+        because the gate could not judge yet); the first that passes is kept. Without this, the
+        first window the gate judges after a deferral decides the lessons of every window
+        before it: a real 1.5B run lost three windows' lessons to one refusal (README, the
+        eighth run). Each part is one more review of the same held-out tasks, so at most two
+        more per window, and only on the window that ends a deferral."""
+        new = set(result.added)
+        own = new & self._own
+        earlier = new - own
+        if not own or not earlier:
+            return result, verdict
+        for left_out in (own, earlier):
+            part = without(result.playbook, left_out)
+            second = await self._reviewed_by_gate(part)
+            if second.accepted:
+                if second.report is not None:
+                    self._report = msgspec.structs.replace(second.report, pruned=sorted(left_out))
+                log.info("gate passed a part of the refused candidate", key=self._onto.key,
+                         left_out=len(left_out), kept=len(new) - len(left_out))  # fmt: skip
+                return narrowed_to(result, part), second
+        return result, verdict
 
     def _fallen_back(self, result: ApplyResult, applied_delta: Delta) -> tuple[ApplyResult, Delta]:
         """The first fallback that applies within the budget (tags + provenance, provenance)."""
