@@ -215,7 +215,7 @@ def _notes(u: PromptUpdate) -> str:
         g = st.gate
         notes.append(f"{g.gate} gate n={g.n} {g.current:.2f}->{g.candidate:.2f}")
         if g.pruned:
-            notes.append(f"left out {len(g.pruned)} new bullet(s) blamed for wrong answers")
+            notes.append(g.left_out())
     if st.held_out:
         notes.append(f"{len(st.held_out)} held out")
     if st.deferred:

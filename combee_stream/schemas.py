@@ -282,9 +282,19 @@ class GateReport(Struct, frozen=True, forbid_unknown_fields=True):
     lower: float
     broke: list[str] = []  # trace ids of the tasks right before and wrong under the candidate
     # Bullets of the window left out (the agent cited them on held-out tasks it answered
-    # wrong, or the part of a refused candidate that was not kept, core/commit.py): the rest
-    # was reviewed again, and this report is of that review.
+    # wrong): the rest of the window was reviewed again, and this report is of that review.
     pruned: list[str] = []
+    # The whole candidate was refused and ``pruned`` is its other part: earlier windows'
+    # waiting lessons and this window's reviewed apart, this report of the part kept.
+    split: bool = False
+
+    def left_out(self) -> str:
+        """What the review left out, in a few words ("" when nothing)."""
+        if not self.pruned:
+            return ""
+        if self.split:
+            return f"left out {len(self.pruned)} new bullet(s) of one part (the whole was refused)"
+        return f"left out {len(self.pruned)} new bullet(s) blamed for wrong answers"
 
 
 class Consolidation(Struct, frozen=True, forbid_unknown_fields=True):

@@ -20,6 +20,7 @@ from combee_stream.schemas import (
     Consolidation,
     Delta,
     GateRejection,
+    GateReport,
     Playbook,
     SizeRejection,
     Source,
@@ -211,8 +212,9 @@ REFUSED = Verdict(accepted=False, reason="worse on held-out tasks")
 def test_a_refused_candidate_after_a_deferral_keeps_the_earlier_windows_lessons_if_they_pass() -> (
     None
 ):
+    passed = GateReport(gate="recording", accepted=True, n=10, current=0.5, candidate=0.6, lower=0)
     gate, result = deferred_then(
-        ["scale every amount by a million"], REFUSED, Verdict(accepted=True)
+        ["scale every amount by a million"], REFUSED, Verdict(accepted=True, report=passed)
     )
     assert gate.shown[1:] == [
         ["round to the decimals asked", "scale every amount by a million"],
@@ -220,6 +222,13 @@ def test_a_refused_candidate_after_a_deferral_keeps_the_earlier_windows_lessons_
     ]
     assert result.rejection is None
     assert bullets(result.playbook) == ["round to the decimals asked"]
+    # The report is of the part kept, and names the bullet of the part left out.
+    assert result.report is not None and result.report.split
+    [left] = result.report.pruned
+    assert left not in {b.id for s in result.playbook.sections for b in s.bullets}
+    assert (
+        result.report.left_out() == "left out 1 new bullet(s) of one part (the whole was refused)"
+    )
 
 
 def test_then_this_windows_lessons_alone_and_a_refusal_of_both_parts_keeps_nothing() -> None:

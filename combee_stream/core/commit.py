@@ -325,7 +325,9 @@ class Commit:
             second = await self._reviewed_by_gate(part)
             if second.accepted:
                 if second.report is not None:
-                    self._report = msgspec.structs.replace(second.report, pruned=sorted(left_out))
+                    self._report = msgspec.structs.replace(
+                        second.report, pruned=sorted(left_out), split=True
+                    )
                 log.info("gate passed a part of the refused candidate", key=self._onto.key,
                          left_out=len(left_out), kept=len(new) - len(left_out))  # fmt: skip
                 return narrowed_to(result, part), second

@@ -60,9 +60,7 @@ def gate_note(update: PromptUpdate) -> str:
         return f"{held}; {stats.deferred} lesson(s) wait for enough held-out tasks to be reviewed"
     if stats.gate is not None:
         g = stats.gate
-        left = (
-            f", left out {len(g.pruned)} new bullet(s) blamed for wrong answers" if g.pruned else ""
-        )
+        left = f", {g.left_out()}" if g.pruned else ""
         return f"{held}; gate passed ({g.current:.0%} -> {g.candidate:.0%} on {g.n} tasks{left})"
     return held
 

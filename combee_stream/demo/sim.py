@@ -81,7 +81,7 @@ async def run_sim_demo(args: argparse.Namespace, config: Config) -> int:
                     async for update in prompts:
                         refused += update.stats.skipped.get("policy", 0)
                         if update.stats.gate is not None:
-                            pruned += len(update.stats.gate.pruned)
+                            pruned += len(update.stats.gate.pruned) * (not update.stats.gate.split)
                         learned[update.key] += update.stats.window_traces + len(
                             update.stats.held_out
                         )
