@@ -150,7 +150,6 @@ class Commit:
         self._report: GateReport | None = None
         self._fallbacks: list[Delta] = []
         self._waiting: set[str] = set()  # normalized ADDs earlier windows left with the gate
-        self._own: set[str] = set()  # ids of the bullets this window's own ADDs made
 
     async def run(self) -> WindowResult:
         started = anyio.current_time()
@@ -160,10 +159,6 @@ class Commit:
         self._rebase()
         self._take_pending()
         result = await self._within_budget(self._onto)
-        self._own = {
-            i for i in result.added
-            if (b := find_bullet(result.playbook, i)) and normalize(b.content) not in self._waiting
-        }  # fmt: skip
         result = await self._consolidated_near_budget(result)
         result = await self._merged_similar(result)
         applied_delta = self._delta
@@ -315,9 +310,14 @@ class Commit:
         before it: a real 1.5B run lost three windows' lessons to one refusal (README, the
         eighth run). Each part is one more review of the same held-out tasks, so at most two
         more per window, and only on the window that ends a deferral."""
+        # Told apart by text (ids may be given again when a consolidation re-applies the
+        # delta); a merged bullet whose text is new counts as this window's.
         new = set(result.added)
-        own = new & self._own
-        earlier = new - own
+        earlier = {
+            i for i in new
+            if (b := find_bullet(result.playbook, i)) and normalize(b.content) in self._waiting
+        }  # fmt: skip
+        own = new - earlier
         if not own or not earlier:
             return result, verdict
         for left_out in (own, earlier):
