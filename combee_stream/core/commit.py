@@ -287,13 +287,9 @@ class Commit:
                      pending=len(waiting))  # fmt: skip
             return result
         if verdict.blame:
-            pruned = without(result.playbook, set(verdict.blame))
-            second = await self._reviewed_by_gate(pruned)
+            pruned, second = await self._reviewed_without(result, verdict.blame)
             if second.accepted:
-                result = narrowed_to(result, pruned)
-                if second.report is not None:
-                    self._report = msgspec.structs.replace(second.report, pruned=verdict.blame)
-            verdict = second if second.accepted else verdict
+                result, verdict = pruned, second
         if not verdict.accepted:
             result, verdict = await self._split(result, verdict)
         if not verdict.accepted:
@@ -321,17 +317,26 @@ class Commit:
         if not own or not earlier:
             return result, verdict
         for left_out in (own, earlier):
-            part = without(result.playbook, left_out)
-            second = await self._reviewed_by_gate(part)
+            part, second = await self._reviewed_without(result, sorted(left_out), split=True)
             if second.accepted:
-                if second.report is not None:
-                    self._report = msgspec.structs.replace(
-                        second.report, pruned=sorted(left_out), split=True
-                    )
                 log.info("gate passed a part of the refused candidate", key=self._onto.key,
                          left_out=len(left_out), kept=len(new) - len(left_out))  # fmt: skip
-                return narrowed_to(result, part), second
+                return part, second
         return result, verdict
+
+    async def _reviewed_without(
+        self, result: ApplyResult, left_out: list[str], *, split: bool = False
+    ) -> tuple[ApplyResult, Verdict]:
+        """The gate's review of ``result`` without the bullets ``left_out`` (the blame-prune's
+        and the split's second look): passed, the narrowed result, its report naming what was
+        left out; else ``result`` as it was, with the verdict."""
+        part = without(result.playbook, set(left_out))
+        verdict = await self._reviewed_by_gate(part)
+        if not verdict.accepted:
+            return result, verdict
+        if verdict.report is not None:
+            self._report = msgspec.structs.replace(verdict.report, pruned=left_out, split=split)
+        return narrowed_to(result, part), verdict
 
     def _fallen_back(self, result: ApplyResult, applied_delta: Delta) -> tuple[ApplyResult, Delta]:
         """The first fallback that applies within the budget (tags + provenance, provenance)."""

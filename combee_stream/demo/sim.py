@@ -80,8 +80,9 @@ async def run_sim_demo(args: argparse.Namespace, config: Config) -> int:
                 with anyio.move_on_after(180):
                     async for update in prompts:
                         refused += update.stats.skipped.get("policy", 0)
-                        if update.stats.gate is not None:
-                            pruned += len(update.stats.gate.pruned) * (not update.stats.gate.split)
+                        gate = update.stats.gate
+                        if gate is not None and not gate.split:  # a split's are not blamed
+                            pruned += len(gate.pruned)
                         learned[update.key] += update.stats.window_traces + len(
                             update.stats.held_out
                         )
