@@ -143,6 +143,34 @@ def test_each_strategy_learns_every_lesson_without_overload(tmp_path: Path, stra
     assert saved.windows == report.windows and saved.strategy == strategy
 
 
+def test_the_first_curator_of_a_window_warms_the_prompt_cache_for_the_others(
+    tmp_path: Path,
+) -> None:
+    traces = generate_traces(24, keys=1, lessons=12, seed=3)
+    path = write_traces(tmp_path / "traces.jsonl", traces)
+    # Every call takes 0.2 s, so curators sent at once overlap; the simulator's cache, like a
+    # real server's, holds a prompt once its reply is sent.
+    settings = SimSettings(seed=3, latency=LatencyModel(base_s=0.2))
+    cached: dict[str, int] = {}
+    for warm in ("true", "false"):
+        report, _ = anyio.run(
+            lambda w=warm: learn(  # type: ignore[misc]
+                settings,
+                path,
+                tmp_path / w,
+                env={"COMBEE__LEARNING__WARM_CURATOR_CACHE": w},
+                strategy="combee",
+                batch_size="12",
+            )
+        )
+        assert report.windows == 2 and report.per_role["curator"].calls == 2 * 3  # k = 3
+        cached[warm] = report.per_role["curator"].tokens_cached
+    # What the curators of one window share at least: the template's head before the playbook.
+    template = load_prompts("").curator
+    head = len(template.system) + 1 + len(template.user.partition("{playbook}")[0])
+    assert cached["true"] >= cached["false"] + 2 * (3 - 1) * (head // 4)
+
+
 def test_combee_retains_clearly_more_lessons_than_naive_under_overload(tmp_path: Path) -> None:
     traces = generate_traces(120, keys=1, lessons=120, seed=1)
     path = write_traces(tmp_path / "traces.jsonl", traces)

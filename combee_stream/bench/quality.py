@@ -49,7 +49,7 @@ from combee_stream.core.playbook import render
 from combee_stream.evaluation.answerer import Answerer
 from combee_stream.evaluation.run import EvalResult, TaskOutcome, compare, evaluate
 from combee_stream.evaluation.stats import Paired
-from combee_stream.llm import LLMCallError, LLMClient
+from combee_stream.llm import EMBEDDINGS, LLMCallError, LLMClient
 from combee_stream.offline import LearnReport
 from combee_stream.offline.store import OutputDir
 from combee_stream.progress import PhaseProgress
@@ -112,7 +112,11 @@ class PromptRow(Struct, kw_only=True):
     learn_tokens_in: int = 0
     learn_tokens_out: int = 0
     learn_tokens_cached: int = 0  # prompt tokens the server served from its cache
+    # Chat prompt tokens (learn_tokens_in less the embedding inputs: an embedding endpoint has
+    # no prompt cache), the denominator of cache_share.
+    learn_prompt_tokens: int = 0
     cache_share: float = 0.0
+    cache_by_role: dict[str, float] = {}  # each chat role's cached / prompt tokens
     truncated_replies: int = 0  # learner replies cut at max_tokens
     invalid_replies: int = 0
     parked_traces: int = 0  # traces of windows that failed for good
@@ -397,7 +401,12 @@ def _learned(
     row.learn_tokens_in = report.tokens_in
     row.learn_tokens_out = report.tokens_out
     row.learn_tokens_cached = sum(u.tokens_cached for u in usage)
-    row.cache_share = row.learn_tokens_cached / report.tokens_in if report.tokens_in else 0.0
+    chat = {role: u for role, u in report.per_role.items() if role != EMBEDDINGS and u.tokens_in}
+    row.learn_prompt_tokens = sum(u.tokens_in for u in chat.values())
+    row.cache_share = (
+        row.learn_tokens_cached / row.learn_prompt_tokens if row.learn_prompt_tokens else 0.0
+    )
+    row.cache_by_role = {role: u.tokens_cached / u.tokens_in for role, u in chat.items()}
     row.truncated_replies = sum(u.truncated_replies for u in usage)
     row.invalid_replies = sum(u.invalid_replies for u in usage)
     row.parked_traces = report.failed_traces
@@ -482,7 +491,7 @@ def _targets(rows: list[PromptRow], combee_vs_naive: Paired | None) -> list[Targ
     if combee is None or combee.vs_base is None:
         return []
     learned = [r for r in rows if r.prompt != "base"]
-    tokens_in = sum(r.learn_tokens_in for r in learned)
+    tokens_in = sum(r.learn_prompt_tokens for r in learned)
     cached = sum(r.learn_tokens_cached for r in learned)
     targets = [
         Target(
@@ -579,7 +588,8 @@ def _notes(s: QualitySettings, capacity: Capacity, gate: GateConfig) -> list[str
         f"Endpoint capacity: {capacity.single_tokens_per_s:.1f} output tokens/s for one request, "
         f"{capacity.parallel_tokens_per_s:.1f} with {capacity.parallel} at once; capacity share = "
         "the learner's output tokens / (its wall time x the parallel capacity); cache share = "
-        "prompt tokens the server reported served from its prompt cache / prompt tokens sent.",
+        "prompt tokens the server reported served from its prompt cache / chat prompt tokens sent "
+        "(every role's but the embedding inputs: the embedder has no prompt cache).",
         "Accuracy intervals are 95% Wilson; paired differences use Newcombe's method 10 and the "
         "exact McNemar test on the tasks one prompt got right and the other wrong.",
     ]
@@ -654,6 +664,16 @@ def markdown(report: QualityReport) -> str:
         f"({report.train_wall_s / 60:.1f} min).",
     ]
     skipped = {r.prompt: r.skipped for r in report.results if r.skipped}
+    cache = {r.prompt: r.cache_by_role for r in report.results if r.cache_by_role}
+    if cache:
+        preamble.append(
+            "Prompt tokens served from the server's cache, by role: "
+            + "; ".join(
+                f"{name}: " + ", ".join(f"{role} {share:.0%}" for role, share in roles.items())
+                for name, roles in cache.items()
+            )
+            + "."
+        )
     if skipped:
         preamble.append(
             "Proposals the learner refused, by reason: "

@@ -384,12 +384,24 @@ class Learner:
 
         add_tasks: dict[str, list[str]] = {}
         remove_votes: Counter[str] = Counter()
+        # The first curator warms the server's prompt cache for the others (see
+        # LearningConfig.warm_curator_cache): they wait for its reply, answered or not.
+        warm = self._config.warm_curator_cache and window_plan.groups > 1
+        warmed = anyio.Event()
+        first_sent = False
 
         async def curate(group: Sequence[ReflectionRecord]) -> Delta:
+            nonlocal first_sent
             messages = curator_messages(
                 self._prompts, tagged, group, progress=progress, token_budget=budget
             )
-            out = await self._call("curator", messages, CuratorOutput, stats)
+            if warm and first_sent:
+                await warmed.wait()
+            first_sent = True
+            try:
+                out = await self._call("curator", messages, CuratorOutput, stats)
+            finally:
+                warmed.set()
             operations = tidied(out.operations, self._bounds.get("curator", 0))
             group_tasks = [rec.task for rec in group if rec.task]
             for op in operations:

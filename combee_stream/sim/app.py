@@ -160,7 +160,8 @@ class SimApp:
         self._seen: dict[str, int] = {}
         # The prompts of the last few requests, for a prompt cache: what a server reuses of a
         # new prompt is its longest prefix shared with one it holds (llama-server keeps one
-        # per slot; hosted APIs keep prefixes for minutes).
+        # per slot; hosted APIs keep prefixes for minutes). A prompt joins it when its reply
+        # is sent, as on a real server: requests sent at once share nothing.
         self._cached_prompts: list[str] = []
 
     def stats(self) -> dict[str, Any]:
@@ -228,10 +229,12 @@ class SimApp:
 
     def _prompt_cache(self, prompt: str) -> int:
         """Tokens of ``prompt`` served from the cache: its longest prefix shared with one of
-        the last ``_PROMPT_CACHE`` prompts (whole 4-character tokens), which it then joins."""
+        the last ``_PROMPT_CACHE`` prompts processed (whole 4-character tokens)."""
         shared = max((_common_prefix(prompt, held) for held in self._cached_prompts), default=0)
-        self._cached_prompts = [prompt, *self._cached_prompts[: _PROMPT_CACHE - 1]]
         return shared // 4
+
+    def _processed(self, prompt: str) -> None:
+        self._cached_prompts = [prompt, *self._cached_prompts[: _PROMPT_CACHE - 1]]
 
     def _attempt(self, request_hash: str) -> int:
         attempt = self._seen.get(request_hash, 0)
@@ -311,6 +314,7 @@ class SimApp:
         if not await _hold(receive, delay):
             stats.role(role).disconnected += 1
             return
+        self._processed(sent)
         await send_json(
             send,
             200,
