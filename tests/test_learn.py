@@ -148,9 +148,9 @@ def test_the_first_curator_of_a_window_warms_the_prompt_cache_for_the_others(
 ) -> None:
     traces = generate_traces(24, keys=1, lessons=12, seed=3)
     path = write_traces(tmp_path / "traces.jsonl", traces)
-    # Every call takes 0.2 s, so curators sent at once overlap; the simulator's cache, like a
+    # Every call takes 1 s, so curators sent at once overlap; the simulator's cache, like a
     # real server's, holds a prompt once its reply is sent.
-    settings = SimSettings(seed=3, latency=LatencyModel(base_s=0.2))
+    settings = SimSettings(seed=3, latency=LatencyModel(base_s=1.0))
     cached: dict[str, int] = {}
     for warm in ("true", "false"):
         report, _ = anyio.run(
