@@ -24,6 +24,10 @@ Decisions (Combee notes §8):
 - **Determinism.** Records are sorted by source before the shuffle and the RNG is seeded from
   (seed, key, snapshot version, the window's trace ids), so a retried or resumed window groups
   exactly as before and every LLM request is replayed from the completion memo.
+- **The first curator warms the cache.** The paper sends a window's k curators at once; here
+  the others wait for the first one's reply (``learning.warm_curator_cache``), so the head
+  their prompts share (instructions, then the playbook) is in the server's prompt cache. The
+  requests are the same either way; only when they are sent changes.
 - **Failures (§8.10).** A failed reflector call costs only its trace (reported). A failed
   curator, combiner or embedding call fails the window (:class:`WindowError`) and nothing is
   applied: dropping a group would silently lose lessons. Retrying the window is cheap because
