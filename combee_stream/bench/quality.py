@@ -595,6 +595,15 @@ def _notes(s: QualitySettings, capacity: Capacity, gate: GateConfig) -> list[str
     ]
 
 
+def _per_arm(title: str, by_arm: dict[str, dict[str, Any]]) -> str:
+    """One preamble line: ``title: arm: name value, ...; arm: ...``."""
+    arms = "; ".join(
+        f"{arm}: " + ", ".join(f"{name} {value}" for name, value in values.items())
+        for arm, values in by_arm.items()
+    )
+    return f"{title}: {arms}."
+
+
 def markdown(report: QualityReport) -> str:
     rows = []
     for r in report.results:
@@ -663,26 +672,16 @@ def markdown(report: QualityReport) -> str:
         f"Base agent on the training stream: {report.train_accuracy:.1%} correct "
         f"({report.train_wall_s / 60:.1f} min).",
     ]
-    skipped = {r.prompt: r.skipped for r in report.results if r.skipped}
-    cache = {r.prompt: r.cache_by_role for r in report.results if r.cache_by_role}
+    cache = {
+        r.prompt: {role: f"{share:.0%}" for role, share in r.cache_by_role.items()}
+        for r in report.results
+        if r.cache_by_role
+    }
     if cache:
-        preamble.append(
-            "Prompt tokens served from the server's cache, by role: "
-            + "; ".join(
-                f"{name}: " + ", ".join(f"{role} {share:.0%}" for role, share in roles.items())
-                for name, roles in cache.items()
-            )
-            + "."
-        )
+        preamble.append(_per_arm("Prompt tokens served from the server's cache, by role", cache))
+    skipped = {r.prompt: r.skipped for r in report.results if r.skipped}
     if skipped:
-        preamble.append(
-            "Proposals the learner refused, by reason: "
-            + "; ".join(
-                f"{name}: " + ", ".join(f"{k} {v}" for k, v in reasons.items())
-                for name, reasons in skipped.items()
-            )
-            + "."
-        )
+        preamble.append(_per_arm("Proposals the learner refused, by reason", skipped))
     return document(
         "Quality: held-out accuracy of the agent, base prompt vs learned playbooks",
         preamble,
