@@ -111,10 +111,14 @@ def test_the_demo_families_misses_are_ones_the_feedback_names() -> None:
     for task in generate_tasks(20, seed=7, families=DEMO_FAMILIES):
         value = float(task.answer)
         miss = f"{value / 1e6:g}" if task.family == "operating_income" else f"{value * 100:.3f}"
-        factor = "1,000,000" if task.family == "operating_income" else "100"
+        named = (
+            "off by a factor of 1,000,000: it is in millions where full units are expected"
+            if task.family == "operating_income"
+            else "off by a factor of 100: it is a percentage where a decimal fraction is expected"
+        )
         feedback = task_feedback(task, miss)
         assert feedback.passed is False and feedback.text is not None
-        assert f"off by a factor of {factor}" in feedback.text, (task.question, miss)
+        assert named in feedback.text, (task.question, miss)
         assert "reference solution" in feedback.text
 
 
@@ -144,10 +148,13 @@ def test_ace_formula_and_finer_scoring_rules() -> None:
         # The misses of a real 1.5B agent's training traces (issue 17), one per kind.
         ("Round to 2 decimal places.", "0.49", "0.4923076923", "not rounded to 2 decimal"),
         ("What is the ratio?", "26.67", "26.66666667", "not rounded to 2 decimal"),
-        ("What is the CAPM return?", "0.06", "5.5", "factor of 100"),  # 5.5 % rounds to 6 %
-        ("What is the WACC? 2 decimal places.", "0.05", "4.9625", "factor of 100"),
-        ("What is the income?", "55000.0", "55", "factor of 1,000"),
-        ("What is the amount?", "80000000.0", "80", "factor of 1,000,000"),
+        # 5.5 % rounds to 6 %: the direction is named, so the reflector knows which way to go.
+        ("What is the CAPM return?", "0.06", "5.5", "100: it is a percentage where a decimal"),
+        ("What is the WACC? 2 decimal places.", "0.05", "4.9625", "divided by 100, it is right"),
+        ("What is the margin, in percent?", "12.5", "0.125", "a decimal fraction where a perc"),
+        ("What is the income?", "55000.0", "55", "1,000: it is in thousands where full units"),
+        ("What is the amount?", "80000000.0", "80", "multiplied by 1,000,000, it is right"),
+        ("What is the cost, in thousands?", "55.0", "55000", "in full units where thousands"),
         ("What is the change?", "-12.5", "12.5", "sign is wrong"),
         ("What is the NPV?", "1348.85", "error: unknown name 'A'", "states no number"),
         ("What is the NPV?", "1348.85", "1338.23", None),  # a wrong formula: no rule to name

@@ -107,12 +107,27 @@ def is_correct(task: Task, prediction: str) -> bool:
 
 
 _DECIMALS = re.compile(r"(\d+)\s+decimal", re.IGNORECASE)
-# Factors a wrong answer can be off by for a reason a rule fixes: percent against fraction
-# (100), thousands or millions against full units (1,000 and 1,000,000).
+# Factors a wrong answer can be off by for a reason a rule fixes, each with what the answer was
+# when too large and when too small. The direction is named, not "one or the other": told
+# "millions against full units", a 1.5B reflector's lesson on 12 operating-income traces of the
+# demo (2026-12-05) was a rounding rule 6 times and "convert the units to dollars" once; told
+# "in millions where full units are expected", 3 times and 8.
 _FACTORS: Final = (
-    (100, "a percentage where a fraction is expected, or the reverse"),
-    (1000, "thousands against full units"),
-    (1_000_000, "millions against full units"),
+    (
+        100,
+        "it is a percentage where a decimal fraction is expected",
+        "it is a decimal fraction where a percentage is expected",
+    ),
+    (
+        1000,
+        "it is in full units where thousands are expected",
+        "it is in thousands where full units are expected",
+    ),
+    (
+        1_000_000,
+        "it is in full units where millions are expected",
+        "it is in millions where full units are expected",
+    ),
 )
 
 
@@ -144,9 +159,17 @@ def miss_kind(task: Task, prediction: str) -> str | None:
         return f"the value is right but not rounded to {places} decimal places as asked"
     if want != 0 and same(-got):
         return "the sign is wrong"
-    for factor, why in _FACTORS:
-        if want != 0 and (same(got / factor) or same(got * factor)):
-            return f"the answer is off by a factor of {factor:,} ({why})"
+    for factor, too_large, too_small in _FACTORS:
+        if want != 0 and same(got / factor):
+            return (
+                f"the answer is off by a factor of {factor:,}: {too_large} "
+                f"(divided by {factor:,}, it is right)"
+            )
+        if want != 0 and same(got * factor):
+            return (
+                f"the answer is off by a factor of {factor:,}: {too_small} "
+                f"(multiplied by {factor:,}, it is right)"
+            )
     return None
 
 
