@@ -204,6 +204,13 @@ class LearningConfig(_Section):
     # processing the prompts is the bottleneck, it saved time (the curators' summed latency
     # 290 s against 722). False sends them all at once (the paper's parallel curators).
     warm_curator_cache: bool = True
+    # With llm.embeddings on, a reflection whose key insight is at the dedup cosine
+    # (llm.embeddings.threshold) of a bullet already in the playbook is not shown to the
+    # curators (its tags and provenance count as ever; a reflection that blames that bullet is
+    # shown): any ADD it led to would be refused as near_duplicate. ACE tells its curator to
+    # keep only what the playbook lacks; a 1.5B curator shown the same rule again re-added it
+    # in each of 8 calls of a 24-trace run and never wrote the window's other lesson.
+    skip_covered_lessons: bool = True
     token_budget: Positive = 80_000
     # When a window would leave the playbook above this share of token_budget (or its version
     # above this share of kafka.max_message_bytes: CJK text reaches bytes first), it is first

@@ -335,7 +335,8 @@ class UpdateStats(Struct, forbid_unknown_fields=True, omit_defaults=True):
     delay_s: float = 0.0
     bullets_added: NonNegative = 0  # new bullets this version added
     # Proposed operations and tags not carried out, by reason: duplicate, near_duplicate,
-    # restates_task, no_lesson, missing_bullet, superseded, uncited_tag (see core/hygiene.py).
+    # restates_task, no_lesson, missing_bullet, superseded, uncited_tag (see core/hygiene.py),
+    # covered_lesson (reflections whose lesson a bullet already states; see core/learner.py).
     skipped: dict[str, int] = {}
     # Legacy (JSON text of a budget rejection, written by early builds); read, never written.
     rejected: str | None = None

@@ -262,6 +262,78 @@ def test_a_reflection_whose_lesson_is_none_goes_to_no_curator() -> None:
     assert teaches(Reflection(key="k", source=source, key_insight="When asked, round it."))
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("skip", [True, False])
+async def test_a_lesson_the_playbook_states_is_not_shown_to_the_curators(skip: bool) -> None:
+    from combee_stream.config import LearningConfig
+    from combee_stream.core.outputs import CuratorOutput, ReflectorOutput, ReflectorOutputNoTags
+    from combee_stream.llm import Completion
+    from combee_stream.schemas import Bullet, BulletTag, Feedback, Section
+
+    millions = "When amounts are given in millions, multiply the result by 1,000,000."
+    insights = {
+        "t-said": "When amounts are stated in millions, multiply the result by 1,000,000.",
+        "t-new": "When a rate is given in percent, divide it by 100 before using it.",
+        "t-blames": "When amounts are given in millions, multiply the result by 1,000,000.",
+    }
+
+    class Scripted:
+        def __init__(self) -> None:
+            self.curator_prompts: list[str] = []
+
+        async def complete(self, role: str, messages: list[Any], output_type: Any) -> Completion:  # type: ignore[type-arg]
+            prompt = messages[-1]["content"]
+            if role == "reflector":
+                trace_id = next(t for t in insights if t in prompt)
+                tags = [BulletTag("m-1", "harmful")] if trace_id == "t-blames" else []
+                fields = dict(error_identification="e", root_cause_analysis="r",
+                              correct_approach="c", key_insight=insights[trace_id])  # fmt: skip
+                value: Any = (
+                    ReflectorOutput(**fields, bullet_tags=tags)
+                    if output_type is ReflectorOutput
+                    else ReflectorOutputNoTags(**fields)
+                )
+            else:
+                self.curator_prompts.append(prompt)
+                value = CuratorOutput(operations=[])
+            return Completion(value=value, tokens_in=1, tokens_out=1, cached=False, attempts=1,
+                              latency_s=0.0)  # fmt: skip
+
+    vocabulary = ("millions", "1,000,000", "percent", "100")
+
+    async def embed(texts: list[str]) -> list[list[float]]:  # bag of words: rewordings match
+        return [[float(w in t) for w in vocabulary] for t in texts]
+
+    book = new_playbook("k")
+    book.sections = [Section(name="OTHERS", bullets=[Bullet(id="m-1", content=millions)])]
+    wrong = Feedback(passed=False, text="wrong")
+    window = [
+        (
+            Trace(key="k", trace_id=tid, task=f"task {tid}", output="1", feedback=wrong,
+                  bullet_ids=["m-1"] if tid == "t-blames" else []),
+            Source("traces", 0, n),
+        )
+        for n, tid in enumerate(insights)
+    ]  # fmt: skip
+    llm = Scripted()
+    config = LearningConfig(strategy="naive", skip_covered_lessons=skip)
+    learner = Learner(llm, config, prompts=load_prompts(), embed=embed, dedup_threshold=0.8)
+    proposal = await learner.propose(book, window)
+    [shown] = llm.curator_prompts
+    assert "divide it by 100" in shown  # a new lesson
+    assert ("stated in millions" in shown) is not skip  # the bullet's rule, reworded
+    assert "given in millions" in shown.split("<reflections>")[1]  # it blames the bullet
+    assert proposal.stats.covered_lessons == (1 if skip else 0)
+    # Provenance and tags of a covered lesson count as ever: every trace is learned.
+    assert {s.offset for s in proposal.delta.sources} == {0, 1, 2}
+
+    # A window whose every lesson a bullet states costs no curator call.
+    llm.curator_prompts.clear()
+    proposal = await learner.propose(book, window[:1])
+    assert len(llm.curator_prompts) == (0 if skip else 1)
+    assert proposal.stats.curator_calls == (0 if skip else 1)
+
+
 # --------------------------------------------------------------------------- faults, resume
 
 

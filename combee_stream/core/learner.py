@@ -99,6 +99,7 @@ from combee_stream.core.playbook import (
     apply,
     apply_semantic,
     cosine,
+    covered_lessons,
     normalize,
     playbook_tokens,
     similar_groups,
@@ -352,7 +353,9 @@ class Learner:
         done = [rec.reflection for rec in records]
         # Only reflections with a lesson go to the curators (a success the reflector did not
         # read, or whose lesson is "none", adds its tags and provenance, not a record).
-        lessons = [rec for rec in records if teaches(rec.reflection)]
+        lessons = await self._uncovered(
+            snapshot, [rec for rec in records if teaches(rec.reflection)], stats
+        )
         if records and not lessons:
             nothing = Delta(
                 key=key,
@@ -460,6 +463,28 @@ class Learner:
             add_tasks={k: list(dict.fromkeys(v)) for k, v in add_tasks.items()},
             skipped=[SkippedOp(op=op, reason="minority_remove") for op in minority],
         )  # fmt: skip
+
+    async def _uncovered(
+        self, snapshot: Playbook, lessons: list[ReflectionRecord], stats: WindowStats
+    ) -> list[ReflectionRecord]:
+        """The lessons the playbook does not state yet (``learning.skip_covered_lessons``):
+        those whose key insight a bullet states (the dedup's measure and threshold) are not
+        shown to the curators; counted in ``stats.covered_lessons``."""
+        if self._embed is None or not self._config.skip_covered_lessons or not lessons:
+            return lessons
+        blamed = [
+            {t.bullet_id for t in rec.reflection.bullet_tags if t.tag == "harmful"}
+            for rec in lessons
+        ]
+        insights = [rec.reflection.key_insight for rec in lessons]
+        try:
+            covered = set(
+                await covered_lessons(snapshot, insights, self._embed, self._threshold, blamed)
+            )
+        except (LLMCallError, ValueError) as exc:
+            raise WindowError(snapshot.key, f"embedding lessons: {exc}") from exc
+        stats.covered_lessons = len(covered)
+        return [rec for i, rec in enumerate(lessons) if i not in covered]
 
     def held_out(self, trace: Trace) -> HeldOutTask | None:
         """The held-out task ``trace`` is kept as instead of being learned (the replay gate),

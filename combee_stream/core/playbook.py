@@ -92,6 +92,7 @@ SkipReason = Literal[
     "minority_remove",  # a REMOVE proposed by fewer than half of the window's curator groups
     "contradicts_itself",  # "should be A, not A": the fix and the error are the same words
     "quotes_trace",  # content reproducing data a trace of the window only quoted
+    "covered_lesson",  # a reflection's lesson a bullet already states (not shown to curators)
 ]
 
 # Provenance kept per bullet: the newest this many trace ids (bounded, like the update's size).
@@ -303,6 +304,29 @@ async def near_duplicate_adds(
         else:
             kept.append(vector)
     return dropped
+
+
+async def covered_lessons(
+    playbook: Playbook,
+    insights: Sequence[str],
+    embed: EmbedFn,
+    threshold: float,
+    blamed: Sequence[Collection[str]],
+) -> list[int]:
+    """Indexes of ``insights`` at cosine >= ``threshold`` to a bullet of ``playbook`` (whole
+    texts, as :func:`near_duplicate_adds` compares an ADD), not counting the bullets in
+    ``blamed[i]`` (those insight ``i``'s reflection tagged harmful: it may correct them).
+    One embed call; [] when the playbook has no bullet."""
+    bullets = [b for s in playbook.sections for b in s.bullets]
+    if not bullets or not insights:
+        return []
+    vectors = await embed_each(embed, [*(b.content for b in bullets), *insights])
+    at = list(zip(bullets, vectors[: len(bullets)], strict=True))
+    return [
+        i
+        for i, vector in enumerate(vectors[len(bullets) :])
+        if any(b.id not in blamed[i] and cosine(vector, v) >= threshold for b, v in at)
+    ]
 
 
 # "When <situation>, <advice>": the clause that says where a rule applies, up to its first comma.

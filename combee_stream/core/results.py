@@ -51,6 +51,7 @@ class WindowStats(Struct):
     max_combiner_items: int = 0
     rounds: int = 0  # sequential LLM rounds: map + level 1 + LLM combine levels
     uncited_tags: int = 0  # reflector tags of bullets the trace did not cite (dropped)
+    covered_lessons: int = 0  # reflections not shown to curators: a bullet states their lesson
     stale_by: int = 0  # versions between the snapshot and the playbook it was committed to
     delay_s: float = 0.0
     consolidator_calls: int = 0  # consolidation passes (one per section), on the curator's endpoint

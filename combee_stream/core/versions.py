@@ -294,6 +294,8 @@ def _skipped(result: WindowResult) -> dict[str, int]:
     counts: Counter[str] = Counter(op.reason for op in result.applied.skipped)
     if result.stats.uncited_tags:
         counts["uncited_tag"] = result.stats.uncited_tags
+    if result.stats.covered_lessons:
+        counts["covered_lesson"] = result.stats.covered_lessons
     return dict(sorted(counts.items()))
 
 
