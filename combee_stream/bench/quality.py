@@ -681,7 +681,13 @@ def markdown(report: QualityReport) -> str:
         preamble.append(_per_arm("Prompt tokens served from the server's cache, by role", cache))
     skipped = {r.prompt: r.skipped for r in report.results if r.skipped}
     if skipped:
-        preamble.append(_per_arm("Proposals the learner refused, by reason", skipped))
+        preamble.append(
+            _per_arm(
+                "Proposals the learner refused, and lessons a bullet already stated"
+                " (covered_lesson, not shown to the curators), by reason",
+                skipped,
+            )
+        )
     return document(
         "Quality: held-out accuracy of the agent, base prompt vs learned playbooks",
         preamble,
