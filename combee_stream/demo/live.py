@@ -105,6 +105,11 @@ async def run_live_demo(args: argparse.Namespace, config: Config) -> int:
     except ValueError as exc:
         raise UserError(f"--families: {exc}") from None
     held_out = generate_tasks(args.held_out, seed=seed + 1, families=families)
+    # A run is one draw of a small model's lessons: the seed lets it be drawn again.
+    say(
+        f"tasks: {len(train)} to learn from and {len(held_out)} held out "
+        f"({', '.join(families) or 'all families'}), seed {seed} (--seed {seed} repeats them)"
+    )
     async with AsyncExitStack() as stack:
         cfg = await fresh_kafka(config)
         cfg = await _with_model(stack, cfg, args)
