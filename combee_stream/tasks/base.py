@@ -157,15 +157,17 @@ def miss_kind(task: Task, prediction: str) -> str | None:
 
     if same(got):
         return f"the value is right but not rounded to {places} decimal places as asked"
-    if want != 0 and same(-got):
+    if want == 0:  # neither a sign nor a factor can be told on zero
+        return None
+    if same(-got):
         return "the sign is wrong"
     for factor, too_large, too_small in _FACTORS:
-        if want != 0 and same(got / factor):
+        if same(got / factor):
             return (
                 f"the answer is off by a factor of {factor:,}: {too_large} "
                 f"(divided by {factor:,}, it is right)"
             )
-        if want != 0 and same(got * factor):
+        if same(got * factor):
             return (
                 f"the answer is off by a factor of {factor:,}: {too_small} "
                 f"(multiplied by {factor:,}, it is right)"
