@@ -334,6 +334,44 @@ async def test_a_lesson_the_playbook_states_is_not_shown_to_the_curators(skip: b
     assert proposal.stats.curator_calls == (0 if skip else 1)
 
 
+@pytest.mark.anyio
+async def test_a_bullet_carrying_its_tasks_reference_answer_is_refused() -> None:
+    """The real-model demo of 2026-12-05 published a CAPM rule ending "0.1040, not 10.4": one
+    training task's answer, which its task text does not contain."""
+    from combee_stream.config import LearningConfig
+    from combee_stream.core.outputs import CuratorOutput, ReflectorOutputNoTags
+    from combee_stream.llm import Completion
+    from combee_stream.schemas import AddOp, Feedback
+
+    rule = "When using CAPM, write the rates as decimal fractions, not percentages"
+    adds = [f"{rule}.", f"{rule}: the answer is 0.104, not 10.4.", f"{rule}: 0.05, not 5."]
+
+    class Scripted:
+        async def complete(self, role: str, messages: list[Any], output_type: Any) -> Completion:  # type: ignore[type-arg]
+            value: Any = (
+                ReflectorOutputNoTags(error_identification="e", root_cause_analysis="r",
+                                      correct_approach="c", key_insight=rule)
+                if role == "reflector"
+                else CuratorOutput(operations=[AddOp(section="S", content=a) for a in adds])
+            )  # fmt: skip
+            return Completion(value=value, tokens_in=1, tokens_out=1, cached=False, attempts=1,
+                              latency_s=0.0)  # fmt: skip
+
+    task = "Rf is 3%, the market return 8% and beta 1.48. What is the expected return?"
+    wrong = Feedback(passed=False, ground_truth="0.1040", text="expected 0.1040, got 10.4")
+    trace = Trace(key="k", trace_id="t1", task=task, output="10.4", feedback=wrong)
+    learner = Learner(Scripted(), LearningConfig(strategy="naive"), prompts=load_prompts())
+    book = new_playbook("k")
+    result = await learner.commit(await learner.propose(book, [(trace, Source("t", 0, 0))]), book)
+    kept = [b.content for s in result.playbook.sections for b in s.bullets]
+    # The answer, written "0.104" where the reference says "0.1040", is refused; a fraction
+    # that is no number of this task or its answer is a rule's example and stays.
+    assert kept == [adds[0], adds[2]]
+    assert [(s.op, s.reason) for s in result.applied.skipped] == [
+        (AddOp(section="S", content=adds[1]), "restates_task")
+    ]
+
+
 # --------------------------------------------------------------------------- faults, resume
 
 

@@ -14,9 +14,11 @@ is counted by reason in the version's stats (``UpdateStats.skipped``):
   catches rewordings beyond that.
 - ``restates_task``: most of the bullet's words come from its own task (``RESTATED`` of its
   content words) or it repeats a number of four digits or more, or with a fractional part,
-  that the task gave: an instance, not a lesson. A bullet whose formula the task itself
-  states (every operator and the words beside it are in the task: ACE's Formula tasks quote
-  their formula) is no lesson either.
+  that the task or its reference answer gave (:func:`instance`; compared by value, so
+  "0.1040" is "0.104"): an instance, not a lesson. The real-model demo of 2026-12-05 published
+  a CAPM rule ending "0.1040, not 10.4", one training task's answer. A bullet whose formula
+  the task itself states (every operator and the words beside it are in the task: ACE's
+  Formula tasks quote their formula) is no lesson either.
 - ``contradicts_itself``: "the formula should be A, not A": the fix and the error are the same
   words (a 1.5B reflector wrote this on about one trace in five, mostly on successes).
 - ``too_long``: longer than ``learning.max_bullet_chars`` (a lesson is a rule, not a document:
@@ -194,7 +196,22 @@ def near_duplicates(a: frozenset[str], b: frozenset[str]) -> bool:
 
 
 def _numbers(text: str) -> set[str]:
-    return {m.replace(",", "") for m in _BIG_NUMBER.findall(text)}
+    """The large numbers of ``text`` by value ("1,000.50" and "1000.5" are one)."""
+    found = set()
+    for match in _BIG_NUMBER.findall(text):
+        plain = match.replace(",", "")
+        try:
+            found.add(repr(float(plain)))
+        except ValueError:  # "1,2,3": commas that are no thousands separators
+            found.add(plain)
+    return found
+
+
+def instance(task: str, answer: str | None) -> str:
+    """What :func:`restates` compares a bullet with: the task, and the large numbers of its
+    reference answer (the numbers only: a worded reference answer's words are no task's)."""
+    numbers = sorted(_numbers(answer or ""))
+    return f"{task}\n{' '.join(numbers)}" if numbers else task
 
 
 def carries_markup(text: str) -> bool:
@@ -469,6 +486,7 @@ __all__ = [
     "contradicts_itself",
     "copies_formula",
     "has_formula",
+    "instance",
     "keeps_meaning",
     "near_duplicates",
     "quoted_spans",

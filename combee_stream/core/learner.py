@@ -290,7 +290,11 @@ class Learner:
         if self._unread(trace):
             # Learned all the same (its provenance joins the window's), at no call.
             empty_reflection = Reflection(key=snapshot.key, source=source)
-            return ReflectionRecord(reflection=empty_reflection, task=trace.task)
+            return ReflectionRecord(
+                reflection=empty_reflection,
+                task=trace.task,
+                answer=trace.feedback.ground_truth or "",
+            )
         messages = reflector_messages(self._prompts, snapshot, trace)
         try:
             if trace.bullet_ids:
@@ -319,6 +323,7 @@ class Learner:
             reflection=reflection,
             task=trace.task,
             quoted=tuple(quoted_spans(trace.task, trace.feedback.text or "")),
+            answer=trace.feedback.ground_truth or "",
         )
 
     def _unread(self, trace: Trace) -> bool:
@@ -367,7 +372,7 @@ class Learner:
             stats.delay_s = anyio.current_time() - started
             return Proposal(
                 key, snapshot.version, canonical(nothing), failed, done, stats,
-                tasks=[rec.task for rec in records if rec.task],
+                tasks=[rec.reviewed for rec in records if rec.task],
             )  # fmt: skip
         if not records:
             stats.rounds = 1 if failed else 0  # a Map whose every reflection failed
@@ -410,7 +415,7 @@ class Learner:
             finally:
                 warmed.set()
             operations = tidied(out.operations, self._bounds.get("curator", 0))
-            group_tasks = [rec.task for rec in group if rec.task]
+            group_tasks = [rec.reviewed for rec in group if rec.task]
             for op in operations:
                 if isinstance(op, AddOp):
                     add_tasks.setdefault(normalize(op.content), []).extend(group_tasks)
@@ -445,7 +450,7 @@ class Learner:
         stats.max_combiner_items = tree.max_combiner_items
         stats.rounds = 1 + 1 + tree.combine_rounds  # the Map, level 1, LLM combine levels
         stats.delay_s = anyio.current_time() - started
-        tasks = [rec.task for rec in records if rec.task]
+        tasks = [rec.reviewed for rec in records if rec.task]
         # A union keeps any one curator's REMOVE: with k groups a bullet would have k chances
         # per window to be deleted. A REMOVE stands only when at least half the groups that
         # saw the playbook propose it (each sees it whole, so each could have).

@@ -45,6 +45,7 @@ from typing import Final, Literal
 from msgspec import Struct
 
 from combee_stream.core.fencing import fence
+from combee_stream.core.hygiene import instance
 from combee_stream.core.playbook import PlaybookStats, find_bullet, render, stats
 from combee_stream.errors import UserError
 from combee_stream.llm import ChatMessage
@@ -77,6 +78,14 @@ class ReflectionRecord(Struct, frozen=True):
     reflection: Reflection
     task: str = ""
     quoted: tuple[str, ...] = ()  # spans its trace quoted (core.hygiene.quoted_spans)
+    # The trace's reference answer, for the bullet review only (core.hygiene.instance): a
+    # bullet may not carry it; the curator is not shown it.
+    answer: str = ""
+
+    @property
+    def reviewed(self) -> str:
+        """What the bullet review compares a bullet from this record with."""
+        return instance(self.task, self.answer)
 
 
 @dataclass(frozen=True, slots=True)
