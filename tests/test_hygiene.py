@@ -6,7 +6,9 @@ from __future__ import annotations
 from combee_stream.core.hygiene import (
     DEFAULT_POLICY,
     compile_policy,
+    instance,
     quoted_spans,
+    restates,
     review_adds,
     review_edits,
     violates,
@@ -88,6 +90,17 @@ def test_restates_task_compares_a_bullet_with_its_own_sources_only() -> None:
     # Against the whole window it restates the bond task; its own group saw only the WACC task.
     assert review_adds(playbook(), delta, [other, own]) == {0: "restates_task"}
     assert review_adds(playbook(), delta, [other, own], own_tasks={normalize(bullet): [own]}) == {}
+
+
+def test_a_reference_answers_numbers_are_the_tasks_written_one_way() -> None:
+    task = "Revenue was 12,500 and costs 9,800. What is the margin, to 2 decimal places?"
+    answer = instance(task, "0.2160")
+    assert restates("When computing a margin, the answer is 0.216 here.", answer)
+    assert restates("When computing a margin, subtract 9800 from 12500 first.", answer)
+    # Small counts are a rule's, and leading zeros make no value of them.
+    assert not restates("When computing a margin, round to 2 decimal places.", answer)
+    assert not restates("When a rule says 00216, it names a bullet.", instance(task, "216.0"))
+    assert instance(task, None) == task == instance(task, "yes")
 
 
 def test_content_carrying_a_rendered_bullet_prefix_is_refused() -> None:

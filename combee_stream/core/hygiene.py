@@ -14,11 +14,11 @@ is counted by reason in the version's stats (``UpdateStats.skipped``):
   catches rewordings beyond that.
 - ``restates_task``: most of the bullet's words come from its own task (``RESTATED`` of its
   content words) or it repeats a number of four digits or more, or with a fractional part,
-  that the task or its reference answer gave (:func:`instance`; compared by value, so
-  "0.1040" is "0.104"): an instance, not a lesson. The real-model demo of 2026-12-05 published
-  a CAPM rule ending "0.1040, not 10.4", one training task's answer. A bullet whose formula
-  the task itself states (every operator and the words beside it are in the task: ACE's
-  Formula tasks quote their formula) is no lesson either.
+  that the task or its reference answer gave (:func:`instance`; "0.1040" is "0.104"): an
+  instance, not a lesson. The real-model demo of 2026-12-05 published a CAPM rule ending
+  "0.1040, not 10.4", one training task's answer. A bullet whose formula the task itself
+  states (every operator and the words beside it are in the task: ACE's Formula tasks quote
+  their formula) is no lesson either.
 - ``contradicts_itself``: "the formula should be A, not A": the fix and the error are the same
   words (a 1.5B reflector wrote this on about one trace in five, mostly on successes).
 - ``too_long``: longer than ``learning.max_bullet_chars`` (a lesson is a rule, not a document:
@@ -196,14 +196,12 @@ def near_duplicates(a: frozenset[str], b: frozenset[str]) -> bool:
 
 
 def _numbers(text: str) -> set[str]:
-    """The large numbers of ``text`` by value ("1,000.50" and "1000.5" are one)."""
+    """The large numbers of ``text``, written one way ("1,000.50" and "1000.5" are one): no
+    commas, no trailing zeros after the point. Leading zeros stay ("00003" is no 3)."""
     found = set()
     for match in _BIG_NUMBER.findall(text):
         plain = match.replace(",", "")
-        try:
-            found.add(repr(float(plain)))
-        except ValueError:  # "1,2,3": commas that are no thousands separators
-            found.add(plain)
+        found.add(plain.rstrip("0").rstrip(".") if "." in plain else plain)
     return found
 
 
