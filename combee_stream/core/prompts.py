@@ -79,7 +79,7 @@ class ReflectionRecord(Struct, frozen=True):
     task: str = ""
     quoted: tuple[str, ...] = ()  # spans its trace quoted (core.hygiene.quoted_spans)
     # The trace's reference answer, for the bullet review only (core.hygiene.instance): a
-    # bullet may not carry it; the curator is not shown it.
+    # bullet may not carry it. Not rendered (the reflection's fields are what a curator reads).
     answer: str = ""
 
     @property

@@ -67,7 +67,9 @@ class Proposal(Struct):
     failed: list[FailedTrace]
     reflections: list[Reflection]
     stats: WindowStats
-    tasks: list[str] = []  # the window's task texts (the bullet review checks restatements)
+    # The window's tasks, each with its reference answer's numbers (core.hygiene.instance):
+    # what the bullet review checks restatements against.
+    tasks: list[str] = []
     quoted: list[str] = []  # spans the window's traces quoted (no bullet may reproduce them)
     # Normalised ADD content -> the tasks of the curator groups that proposed it (its sources).
     add_tasks: dict[str, list[str]] = {}
