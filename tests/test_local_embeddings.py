@@ -18,7 +18,12 @@ import msgspec
 import pytest
 
 from combee_stream.config import LLMConfig
-from combee_stream.core.playbook import apply_semantic, new_playbook
+from combee_stream.core.playbook import (
+    apply_semantic,
+    covered_lessons,
+    near_duplicate_adds,
+    new_playbook,
+)
 from combee_stream.http import serve_asgi
 from combee_stream.llm import LLMClient
 from combee_stream.llm.transport import LLMCallError
@@ -26,7 +31,7 @@ from combee_stream.localllm.embedder import EmbeddingsApp
 from combee_stream.localllm.minilm import MiniLM, available
 from combee_stream.localllm.models import EMBEDDER
 from combee_stream.localllm.server import LocalServer, local_llm_config
-from combee_stream.schemas import AddOp, Delta
+from combee_stream.schemas import AddOp, Bullet, Delta, Playbook, Section
 
 FOLDER: Final = Path(__file__).resolve().parent.parent / ".state" / "llm" / "models" / EMBEDDER.name
 THRESHOLD: Final = 0.8  # local_llm.embeddings_threshold's default
@@ -188,3 +193,42 @@ async def test_an_unknown_path_and_bad_input_are_refused(encoder: MiniLM) -> Non
         assert dims.status_code == 400
         ok = await c.post("/v1/embeddings", json={"model": EMBEDDER.name, "input": "a"})
         assert ok.status_code == 200 and len(ok.json()["data"][0]["embedding"]) == 384
+
+
+@pytest.mark.anyio
+async def test_a_lesson_giving_the_formula_a_vague_bullet_lacks_is_no_duplicate(
+    encoder: MiniLM,
+) -> None:
+    """The real-model demo's seed 719043 (2026-12-05): a vague CAPM bullet, and four later
+    lessons that gave the formula, each at MiniLM 0.82-0.90 from it."""
+    vague = (
+        "When calculating the stock's expected return under CAPM, it is important to use the "
+        "correct formula and ensure that all rates are in decimal form, not percentages."
+    )
+    formula = (
+        "When calculating the stock's expected return under CAPM, use the formula E(Ri) = Rf + "
+        "βi * (ERm - Rf) with the rates as decimal fractions, not percentages."
+    )
+    reworded = (
+        "When calculating the stock's expected return under CAPM, use the correct formula with "
+        "decimal fractions instead of percentages."
+    )
+
+    async def embed(texts: list[str]) -> list[list[float]]:
+        return [list(map(float, v)) for v in encoder.encode(texts)]
+
+    def book(text: str) -> Playbook:
+        return Playbook(
+            key="k", sections=[Section(name="S", bullets=[Bullet(id="s-1", content=text)])]
+        )
+
+    lessons = [formula, reworded]
+    vectors = encoder.encode([vague, *lessons])
+    assert all(vectors[0] @ v >= THRESHOLD for v in vectors[1:])  # close, as in the demo
+    # The vague bullet states the reworded lesson, not the one with the formula...
+    assert await covered_lessons(book(vague), lessons, embed, THRESHOLD, [(), ()]) == [1]
+    adds = [AddOp(section="S", content=text) for text in lessons]
+    assert await near_duplicate_adds(book(vague), adds, embed, THRESHOLD) == [1]
+    # ... and a bullet with the formula states both.
+    assert await covered_lessons(book(formula), lessons, embed, THRESHOLD, [(), ()]) == [0, 1]
+    assert await near_duplicate_adds(book(formula), adds, embed, THRESHOLD) == [0, 1]

@@ -84,7 +84,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Final
 
-from combee_stream.core.playbook import SkippedOp, SkipReason, advice, normalize
+from combee_stream.core.playbook import SkippedOp, SkipReason, advice, has_formula, normalize
 from combee_stream.schemas import AddOp, Delta, Playbook, RemoveOp, UpdateOp
 
 NEAR_DUPLICATE_WORDS: Final = 2
@@ -142,8 +142,6 @@ _MARKUP = re.compile(rf"\b{_BULLET_ID}\]|\b(?:helpful|harmful)\s*=\s*\d")
 _RENDERED_PREFIX = re.compile(
     rf"^\s*\[{_BULLET_ID}\]\s*(?:helpful\s*=\s*\d+\s+harmful\s*=\s*\d+\s*::\s*)?"
 )
-# An operator between two terms, or a function call: the bullet states a formula or a rule.
-_FORMULA = re.compile(r"[\w)\]]\s*[*/=×÷^]\s*[\w(]|\s[-+]\s[\w(]|\b[a-zA-Z_]\w*\(")
 # A formula's pieces: an operator with the word on each side, and function calls.
 _OPERATOR_TERM = re.compile(r"[\w)]+\s*[*/=^]\s*[\w(]+|[\w)]+\s+[-+]\s+[\w(]+")
 _CALL = re.compile(r"\b[a-z_]\w*\(")
@@ -220,10 +218,6 @@ def without_rendered_prefix(text: str) -> str:
     """``text`` without a leading ``[id] helpful=h harmful=r ::`` (or ``[id]``): the playbook's
     own line format, which a small curator copies in front of the rule it writes."""
     return _RENDERED_PREFIX.sub("", text, count=1)
-
-
-def has_formula(text: str) -> bool:
-    return _FORMULA.search(text) is not None
 
 
 def keeps_meaning(old: str, new: str) -> bool:

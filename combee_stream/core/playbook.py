@@ -287,22 +287,42 @@ def cosine(a: Sequence[float], b: Sequence[float]) -> float:
     return dot / (na * nb) if na and nb else 0.0
 
 
+# An operator between two terms, or a function call: the text states a formula or a rule.
+_FORMULA = re.compile(r"[\w)\]]\s*[*/=×÷^]\s*[\w(]|\s[-+]\s[\w(]|\b[a-zA-Z_]\w*\(")
+
+
+def has_formula(text: str) -> bool:
+    return _FORMULA.search(text) is not None
+
+
+def says_more(text: str, than: str) -> bool:
+    """Whether ``text`` states a formula that ``than`` does not: then it is no duplicate of
+    ``than`` however close their embeddings. MiniLM puts "use the formula E(Ri) = Rf + βi *
+    (ERm - Rf) with the rates as decimal fractions" at 0.82-0.90 from "use the correct formula
+    and ensure that all rates are in decimal form" (the real-model demo, seed 719043): at the
+    dedup threshold the vague rule kept every lesson that carried the formula from the curators,
+    and would have refused the ADD that carried it."""
+    return has_formula(text) and not has_formula(than)
+
+
 async def near_duplicate_adds(
     playbook: Playbook, adds: Sequence[AddOp], embed: EmbedFn, threshold: float
 ) -> list[int]:
     """Indexes of ``adds`` whose cosine similarity to an existing bullet or to an earlier kept
-    ADD is >= ``threshold``. One embed call for everything; deterministic given the vectors."""
+    ADD is >= ``threshold``, unless the ADD :func:`says_more` than that text. One embed call
+    for everything; deterministic given the vectors."""
     if not adds:
         return []
     existing = [b.content for s in playbook.sections for b in s.bullets]
     vectors = await embed_each(embed, [*existing, *(a.content for a in adds)])
-    kept = list(vectors[: len(existing)])
+    kept = list(zip(existing, vectors[: len(existing)], strict=True))
     dropped: list[int] = []
     for i, vector in enumerate(vectors[len(existing) :]):
-        if any(cosine(vector, other) >= threshold for other in kept):
+        text = adds[i].content
+        if any(cosine(vector, v) >= threshold and not says_more(text, other) for other, v in kept):
             dropped.append(i)
         else:
-            kept.append(vector)
+            kept.append((text, vector))
     return dropped
 
 
@@ -314,9 +334,10 @@ async def covered_lessons(
     blamed: Sequence[Collection[str]],
 ) -> list[int]:
     """Indexes of ``insights`` at cosine >= ``threshold`` to a bullet of ``playbook`` (whole
-    texts, as :func:`near_duplicate_adds` compares an ADD), not counting the bullets in
-    ``blamed[i]`` (those insight ``i``'s reflection tagged harmful: it may correct them).
-    One embed call; [] when the playbook has no bullet."""
+    texts, as :func:`near_duplicate_adds` compares an ADD) that the insight does not
+    :func:`says_more` than, not counting the bullets in ``blamed[i]`` (those insight ``i``'s
+    reflection tagged harmful: it may correct them). One embed call; [] when the playbook has
+    no bullet."""
     bullets = [b for s in playbook.sections for b in s.bullets]
     if not bullets or not insights:
         return []
@@ -325,7 +346,12 @@ async def covered_lessons(
     return [
         i
         for i, vector in enumerate(vectors[len(bullets) :])
-        if any(b.id not in blamed[i] and cosine(vector, v) >= threshold for b, v in at)
+        if any(
+            b.id not in blamed[i]
+            and cosine(vector, v) >= threshold
+            and not says_more(insights[i], b.content)
+            for b, v in at
+        )
     ]
 
 
@@ -557,12 +583,14 @@ __all__ = [
     "dedup",
     "embed_each",
     "find_bullet",
+    "has_formula",
     "near_duplicate_adds",
     "new_playbook",
     "normalize",
     "playbook_tokens",
     "render",
     "render_bullet",
+    "says_more",
     "section_key",
     "section_slug",
     "similar_groups",
