@@ -210,7 +210,8 @@ class LearningConfig(_Section):
     # shown): any ADD it led to would be refused as near_duplicate. ACE tells its curator to
     # keep only what the playbook lacks; a 1.5B curator shown the same rule again re-added it
     # in each of its 6 calls after the first window of a 24-trace run (the demo's tasks) and
-    # never wrote the other lesson the reflections taught.
+    # never wrote the other lesson the reflections taught. A lesson stating a formula the
+    # bullet lacks is not covered (core.playbook.says_more).
     skip_covered_lessons: bool = True
     token_budget: Positive = 80_000
     # When a window would leave the playbook above this share of token_budget (or its version
