@@ -477,7 +477,6 @@ __all__ = [
     "contested",
     "contradicts_itself",
     "copies_formula",
-    "has_formula",
     "instance",
     "keeps_meaning",
     "near_duplicates",
