@@ -78,7 +78,6 @@ from combee_stream.core.hygiene import (
     DEFAULT_POLICY,
     as_rule,
     compile_policy,
-    quoted_spans,
     review_adds,
     review_edits,
     violates,
@@ -289,12 +288,7 @@ class Learner:
         (never raised, never dropped)."""
         if self._unread(trace):
             # Learned all the same (its provenance joins the window's), at no call.
-            empty_reflection = Reflection(key=snapshot.key, source=source)
-            return ReflectionRecord(
-                reflection=empty_reflection,
-                task=trace.task,
-                answer=trace.feedback.ground_truth or "",
-            )
+            return ReflectionRecord.of(trace, Reflection(key=snapshot.key, source=source))
         messages = reflector_messages(self._prompts, snapshot, trace)
         try:
             if trace.bullet_ids:
@@ -319,12 +313,7 @@ class Learner:
             key_insight=as_rule(out.key_insight, self._bounds.get("reflector", 0)),
             bullet_tags=tags,
         )
-        return ReflectionRecord(
-            reflection=reflection,
-            task=trace.task,
-            quoted=tuple(quoted_spans(trace.task, trace.feedback.text or "")),
-            answer=trace.feedback.ground_truth or "",
-        )
+        return ReflectionRecord.of(trace, reflection)
 
     def _unread(self, trace: Trace) -> bool:
         """A success the reflector does not read (``learning.reflect_successes``)."""

@@ -305,6 +305,14 @@ def says_more(text: str, than: str) -> bool:
     return has_formula(text) and not has_formula(than)
 
 
+def restates(
+    text: str, vector: Sequence[float], other: str, other_vector: Sequence[float], threshold: float
+) -> bool:
+    """Whether ``text`` says nothing ``other`` does not: cosine at least ``threshold`` and no
+    formula of its own (:func:`says_more`). The one test of the dedup and the covered check."""
+    return cosine(vector, other_vector) >= threshold and not says_more(text, other)
+
+
 async def near_duplicate_adds(
     playbook: Playbook, adds: Sequence[AddOp], embed: EmbedFn, threshold: float
 ) -> list[int]:
@@ -319,7 +327,7 @@ async def near_duplicate_adds(
     dropped: list[int] = []
     for i, vector in enumerate(vectors[len(existing) :]):
         text = adds[i].content
-        if any(cosine(vector, v) >= threshold and not says_more(text, other) for other, v in kept):
+        if any(restates(text, vector, other, v, threshold) for other, v in kept):
             dropped.append(i)
         else:
             kept.append((text, vector))
@@ -347,9 +355,7 @@ async def covered_lessons(
         i
         for i, vector in enumerate(vectors[len(bullets) :])
         if any(
-            b.id not in blamed[i]
-            and cosine(vector, v) >= threshold
-            and not says_more(insights[i], b.content)
+            b.id not in blamed[i] and restates(insights[i], vector, b.content, v, threshold)
             for b, v in at
         )
     ]

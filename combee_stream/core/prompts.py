@@ -45,7 +45,7 @@ from typing import Final, Literal
 from msgspec import Struct
 
 from combee_stream.core.fencing import fence
-from combee_stream.core.hygiene import instance
+from combee_stream.core.hygiene import instance, quoted_spans
 from combee_stream.core.playbook import PlaybookStats, find_bullet, render, stats
 from combee_stream.errors import UserError
 from combee_stream.llm import ChatMessage
@@ -81,6 +81,18 @@ class ReflectionRecord(Struct, frozen=True):
     # The trace's reference answer, for the bullet review only (core.hygiene.instance): a
     # bullet may not carry it. Not rendered (the reflection's fields are what a curator reads).
     answer: str = ""
+
+    @classmethod
+    def of(cls, trace: Trace, reflection: Reflection) -> ReflectionRecord:
+        """The record of ``trace``'s reflection: its task, the spans its feedback quoted from
+        it, its reference answer."""
+        feedback = trace.feedback
+        return cls(
+            reflection=reflection,
+            task=trace.task,
+            quoted=tuple(quoted_spans(trace.task, feedback.text or "")),
+            answer=feedback.ground_truth or "",
+        )
 
     @property
     def reviewed(self) -> str:
