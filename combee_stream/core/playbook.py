@@ -596,6 +596,7 @@ __all__ = [
     "playbook_tokens",
     "render",
     "render_bullet",
+    "restates",
     "says_more",
     "section_key",
     "section_slug",
