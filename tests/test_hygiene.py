@@ -323,6 +323,10 @@ def test_padding_after_a_formula_name_is_no_lesson_and_a_rule_after_one_is_kept(
         "When implementing a formula, it is important to check the syntax and ensure that the "
         "formula is correctly applied. If the formula is not correctly implemented, it can lead "
         "to incorrect results and errors.",
+        # 2026-12-06: a kind of convention named, none said.
+        "When calculating the Days Sales Outstanding (DSO), it is important to ensure that all "
+        "calculations are done correctly and that we use the appropriate conventions for units, "
+        "percentages, or other relevant information.",
     ]
     rules = [
         "When using the Sortino Ratio, subtract R_f from R_p, do not divide R_p by R_f.",

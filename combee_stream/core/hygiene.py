@@ -110,6 +110,10 @@ GENERIC: Final = frozenset(
     "implementing done these those into precise precision accurately understandable user "
     "financial metric metrics tool tools programming language languages can lead incorrect "
     "incorrectly wrong wrongly".split()
+    # Naming a kind of convention without saying which one: "use the appropriate conventions
+    # for units, percentages, or other relevant information" (a real run's DSO bullet,
+    # 2026-12-06, from a lesson whose rule was in the sentence the length bound cut).
+    + "percent percentage percentages relevant other we our".split()
 )
 # The default content policy: what no bullet may carry, whatever the deployment adds. Each is
 # something an attacker with write access to the traces topic would put in a bullet, and none
