@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     from combee_stream.config import Config, load_config
-    from combee_stream.core.gate import AcceptAll, Candidate, PublishGate, Verdict
+    from combee_stream.core.gate import AcceptAll, Candidate, GateChain, PublishGate, Verdict
     from combee_stream.core.learner import Learner, WindowError
     from combee_stream.core.pipeline import (
         KeyPipeline,
@@ -69,6 +69,7 @@ _HOMES: Final = {
     "Candidate": "combee_stream.core.gate",
     "Verdict": "combee_stream.core.gate",
     "AcceptAll": "combee_stream.core.gate",
+    "GateChain": "combee_stream.core.gate",
     "Sink": "combee_stream.core.pipeline",
     "MemorySink": "combee_stream.core.pipeline",
     "KeyPipeline": "combee_stream.core.pipeline",
@@ -127,6 +128,7 @@ __all__ = [
     "EngineHalted",
     "FailedTrace",
     "Feedback",
+    "GateChain",
     "KeyChain",
     "KeyPipeline",
     "LLMCallError",

@@ -443,6 +443,12 @@ class GateConfig(_Section):
     # window is never tested mostly on tasks it brought itself (10 of the default 50).
     holdout_per_window: Positive = 10
     regression_size: Annotated[int, Meta(ge=0)] = 20  # tasks a refused candidate broke, kept
+    # Lesson check (evaluation/lessons.py): each new bullet is retried, with the agent role, on
+    # up to `lesson_tasks` of the failed tasks it was learned from (those with a reference
+    # answer), and left out when it fixes none of those the parent still fails. Before the
+    # replay gate when both are on; needs no held-out tasks and no secret.
+    check_lessons: bool = False
+    lesson_tasks: Positive = 4
     # Below this many held-out tasks the gate cannot judge, and defers: nothing unverified is
     # published, and the window's lessons wait (Holdout.pending, carried with the versions) to
     # be reviewed with the next window's candidate, rather than being thrown away.

@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import TextIO
 
 from combee_stream.config import Config, required_secret
-from combee_stream.core.gate import AcceptAll, PublishGate
+from combee_stream.core.gate import AcceptAll, GateChain, PublishGate
 from combee_stream.core.holdout import HoldoutPolicy
 from combee_stream.core.learner import Learner, required_roles
 from combee_stream.core.prompts import PromptRole, Prompts, Template, parse_template
 from combee_stream.engine import engine
 from combee_stream.errors import UserError
+from combee_stream.evaluation.lessons import LessonGate
 from combee_stream.evaluation.replay import ReplayGate
 from combee_stream.kafka.sizes import update_bytes
 from combee_stream.llm import LLMClient
@@ -53,10 +54,16 @@ def load_prompts(prompts_dir: str | Path = "") -> Prompts:
 
 
 def build_gate(config: Config, llm: LLMClient) -> PublishGate:
-    """The gate ``config.gate`` asks for (AcceptAll when the replay gate is off)."""
-    if not config.gate.replay:
+    """The gate ``config.gate`` asks for: the lesson check, then the replay gate, each when on
+    (AcceptAll when neither is)."""
+    gates: list[PublishGate] = []
+    if config.gate.check_lessons:
+        gates.append(LessonGate.from_config(config.gate, llm))
+    if config.gate.replay:
+        gates.append(ReplayGate.from_config(config.gate, llm))
+    if not gates:
         return AcceptAll()
-    return ReplayGate.from_config(config.gate, llm)
+    return gates[0] if len(gates) == 1 else GateChain(gates)
 
 
 def build_learner(

@@ -29,6 +29,7 @@ PUBLIC_API = [
     "EngineHalted",
     "FailedTrace",
     "Feedback",
+    "GateChain",
     "KeyChain",
     "KeyPipeline",
     "LLMCallError",

@@ -101,6 +101,12 @@ def register(subparsers: Any) -> None:
         "--no-gate", action="store_true", help="learn without the replay gate (default: on)"
     )
     q.add_argument(
+        "--check-lessons",
+        action="store_true",
+        help="gate.check_lessons: each new bullet is retried on the failed training tasks it "
+        "was learned from, and left out when it fixes none (default: off)",
+    )
+    q.add_argument(
         "--reflect-successes",
         choices=("all", "cited", "none"),
         default="cited",
@@ -220,6 +226,7 @@ async def _quality(config: Config, args: argparse.Namespace, quick: bool) -> qua
         concurrency=config.llm.concurrency,
         sequential_n=args.sequential_n,
         gate=not args.no_gate,
+        check_lessons=args.check_lessons,
         reflect_successes=args.reflect_successes,
         merge_similar=args.merge_similar,
         combine=args.combine,
@@ -255,6 +262,9 @@ async def _quality(config: Config, args: argparse.Namespace, quick: bool) -> qua
             config.gate, replay=True, holdout_fraction=0.25, min_samples=10, margin=0.25
         )
         config = msgspec.structs.replace(config, gate=gated)
+    if settings.check_lessons:
+        checked = msgspec.structs.replace(config.gate, check_lessons=True)
+        config = msgspec.structs.replace(config, gate=checked)
     work = args.work or (args.out / "quality-work" if args.out else Path(".state/bench-quality"))
     if args.local is None:
         return await quality.run_quality(config, _named(settings, config.llm), work)

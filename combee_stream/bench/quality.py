@@ -80,6 +80,7 @@ class QualitySettings(Struct, kw_only=True):
     key: str = KEY
     sequential_n: int = 0  # sequential learns from this prefix of the stream (0: all of it)
     gate: bool = True  # the replay gate reviews every candidate
+    check_lessons: bool = False  # gate.check_lessons: new bullets retried on their failures
     reflect_successes: str = "all"  # learning.reflect_successes of the learners
     merge_similar: float = 0.0  # learning.merge_similar of the learners
     combine: str = "union"  # learning.combine of combee (naive has one group, nothing to combine)
@@ -583,6 +584,12 @@ def _notes(s: QualitySettings, capacity: Capacity, gate: GateConfig) -> list[str
             )
             if s.gate
             else "replay gate off."
+        )
+        + (
+            f" Lesson check on: each new bullet retried on up to {gate.lesson_tasks} of the "
+            "failed training tasks it was learned from, left out when it fixed none."
+            if s.check_lessons
+            else ""
         ),
         f"Endpoints: {endpoints}." if endpoints else "",
         f"Endpoint capacity: {capacity.single_tokens_per_s:.1f} output tokens/s for one request, "

@@ -430,6 +430,7 @@ class Commit:
             Candidate(
                 key=onto.key, parent=onto, playbook=playbook, delta=self._delta,
                 reflections=proposal.reflections, holdout=self._holdout,
+                add_traces=proposal.add_traces, retries=proposal.retries,
             )
         )  # fmt: skip
 

@@ -13,11 +13,13 @@ candidate on held-out tasks. :func:`combee_stream.wiring.build_gate` builds the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
+import msgspec
 from msgspec import Struct
 
-from combee_stream.schemas import Delta, GateReport, Holdout, Playbook, Reflection
+from combee_stream.schemas import Delta, GateReport, HeldOutTask, Holdout, Playbook, Reflection
 
 
 class Candidate(Struct, frozen=True, kw_only=True):
@@ -29,6 +31,11 @@ class Candidate(Struct, frozen=True, kw_only=True):
     delta: Delta  # what was applied (tags, operations, provenance)
     reflections: list[Reflection]
     holdout: Holdout | None = None  # the key's held-out tasks (the replay gate's test set)
+    # Normalised ADD content -> the trace ids of the curator groups that proposed it, and the
+    # window's tasks whose traces may have failed, with their reference answers (the lesson
+    # check's test set: a new bullet is retried on the failures it was learned from).
+    add_traces: dict[str, list[str]] = {}
+    retries: list[HeldOutTask] = []
 
 
 class Verdict(Struct, frozen=True):
@@ -61,4 +68,29 @@ class AcceptAll:
         return Verdict(accepted=True)
 
 
-__all__ = ["AcceptAll", "Candidate", "PublishGate", "Verdict"]
+class GateChain:
+    """Gates reviewed in turn, each only if the one before accepted without blame: the first
+    refusal or deferral is the verdict, otherwise the last gate's. A gate before the last that
+    accepts with blame stops the chain with a refusal carrying that blame: the learner's
+    blame-prune then reviews the candidate without those bullets through the whole chain, and
+    if that fails too, the refusal stands (an acceptance would publish a candidate the later
+    gates never saw)."""
+
+    def __init__(self, gates: Sequence[PublishGate]) -> None:
+        if not gates:
+            raise ValueError("a gate chain needs at least one gate")
+        self._gates = list(gates)
+        self.name = "+".join(g.name for g in gates)
+
+    async def review(self, candidate: Candidate) -> Verdict:
+        verdict = Verdict(accepted=True)
+        for gate in self._gates:
+            verdict = await gate.review(candidate)
+            if not verdict.accepted or verdict.deferred:
+                return verdict
+            if verdict.blame and gate is not self._gates[-1]:
+                return msgspec.structs.replace(verdict, accepted=False)
+        return verdict
+
+
+__all__ = ["AcceptAll", "Candidate", "GateChain", "PublishGate", "Verdict"]

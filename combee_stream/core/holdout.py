@@ -50,7 +50,12 @@ def rank(trace_id: str, secret: str) -> int:
 
 def covers(config: GateConfig, key: str) -> bool:
     """Whether the replay gate applies to ``key``."""
-    return config.replay and any(fnmatch.fnmatchcase(key, p) for p in config.keys)
+    return config.replay and gated(config, key)
+
+
+def gated(config: GateConfig, key: str) -> bool:
+    """Whether ``key`` is one of ``gate.keys`` (the keys every gate applies to)."""
+    return any(fnmatch.fnmatchcase(key, p) for p in config.keys)
 
 
 def with_regressions(holdout: Holdout, broke: Sequence[str], size: int) -> Holdout:

@@ -181,8 +181,8 @@ def required_roles(config: Config, strategy_name: str | None = None) -> list[Rol
         roles.append("combiner")
     if config.llm.embeddings.enabled:
         roles.append("embeddings")
-    if config.gate.replay and config.gate.evaluator == "agent":
-        roles.append("agent")  # the replay gate answers held-out tasks itself
+    if (config.gate.replay or config.gate.check_lessons) and config.gate.evaluator == "agent":
+        roles.append("agent")  # the gate answers held-out (or retried) tasks itself
         if config.gate.scorer == "judge":
             roles.append("judge")
     return roles
@@ -384,6 +384,7 @@ class Learner:
         budget = self._config.token_budget
 
         add_tasks: dict[str, list[str]] = {}
+        add_traces: dict[str, list[str]] = {}
         remove_votes: Counter[str] = Counter()
         # The first curator warms the server's prompt cache for the others (see
         # LearningConfig.warm_curator_cache): they wait for its reply, answered or not.
@@ -405,9 +406,11 @@ class Learner:
                 warmed.set()
             operations = tidied(out.operations, self._bounds.get("curator", 0))
             group_tasks = [rec.reviewed for rec in group if rec.task]
+            group_traces = [rec.reflection.source.trace_id for rec in group]
             for op in operations:
                 if isinstance(op, AddOp):
                     add_tasks.setdefault(normalize(op.content), []).extend(group_tasks)
+                    add_traces.setdefault(normalize(op.content), []).extend(group_traces)
             remove_votes.update({op.bullet_id for op in operations if isinstance(op, RemoveOp)})
             return Delta(
                 key=key,
@@ -456,6 +459,8 @@ class Learner:
             quoted=list(dict.fromkeys(q for rec in records for q in rec.quoted)),
             add_tasks={k: list(dict.fromkeys(v)) for k, v in add_tasks.items()},
             skipped=[SkippedOp(op=op, reason="minority_remove") for op in minority],
+            add_traces={k: list(dict.fromkeys(v)) for k, v in add_traces.items()},
+            retries=[task for rec in lessons if (task := rec.retry) is not None],
         )  # fmt: skip
 
     async def _uncovered(

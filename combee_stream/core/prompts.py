@@ -49,7 +49,7 @@ from combee_stream.core.hygiene import instance, quoted_spans
 from combee_stream.core.playbook import PlaybookStats, find_bullet, render, stats
 from combee_stream.errors import UserError
 from combee_stream.llm import ChatMessage
-from combee_stream.schemas import Delta, Playbook, Reflection, Section, Trace, encode
+from combee_stream.schemas import Delta, HeldOutTask, Playbook, Reflection, Section, Trace, encode
 
 PROMPTS_VERSION: Final = "v1"
 TASK_CHARS: Final = 600
@@ -81,6 +81,9 @@ class ReflectionRecord(Struct, frozen=True):
     # The trace's reference answer, for the bullet review only (core.hygiene.instance): a
     # bullet may not carry it. Not rendered (the reflection's fields are what a curator reads).
     answer: str = ""
+    # Whether its trace may have failed (its feedback does not say it passed): a new bullet's
+    # lesson check (evaluation/lessons.py) retries such tasks with the bullet. Not rendered.
+    failed: bool = False
 
     @classmethod
     def of(cls, trace: Trace, reflection: Reflection) -> ReflectionRecord:
@@ -92,7 +95,17 @@ class ReflectionRecord(Struct, frozen=True):
             task=trace.task,
             quoted=tuple(quoted_spans(trace.task, feedback.text or "")),
             answer=feedback.ground_truth or "",
+            failed=feedback.passed is not True
+            and not (feedback.score is not None and feedback.score >= 1),
         )
+
+    @property
+    def retry(self) -> HeldOutTask | None:
+        """Its task to retry, when its trace may have failed and has a reference answer."""
+        if not (self.failed and self.task and self.answer):
+            return None
+        source = self.reflection.source
+        return HeldOutTask(trace_id=source.trace_id, task=self.task, answer=self.answer, rank=0)
 
     @property
     def reviewed(self) -> str:

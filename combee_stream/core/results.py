@@ -13,6 +13,7 @@ from combee_stream.schemas import (
     Consolidation,
     Delta,
     GateReport,
+    HeldOutTask,
     Holdout,
     Playbook,
     PromptUpdate,
@@ -74,6 +75,11 @@ class Proposal(Struct):
     # Normalised ADD content -> the tasks of the curator groups that proposed it (its sources).
     add_tasks: dict[str, list[str]] = {}
     skipped: list[SkippedOp] = []  # operations the reduce refused (REMOVEs of a minority)
+    # Normalised ADD content -> the trace ids of the curator groups that proposed it, and the
+    # window's tasks that may have failed, with their reference answers: what a lesson check
+    # (evaluation/lessons.py) retries a new bullet on.
+    add_traces: dict[str, list[str]] = {}
+    retries: list[HeldOutTask] = []
 
 
 class WindowResult(Struct):

@@ -139,6 +139,16 @@ def load_evaluator(spec: str) -> Evaluator:
     return found  # type: ignore[no-any-return]
 
 
+def evaluator_from_config(config: GateConfig, llm: LLMClient) -> Evaluator:
+    """The evaluator ``gate.evaluator`` names: the engine's agent, or the user's callable."""
+    if config.evaluator == "agent":
+        llm.require("agent")
+        if config.scorer == "judge":
+            llm.require("judge")
+        return AgentEvaluator(llm, config.scorer)
+    return load_evaluator(config.evaluator)
+
+
 def lower_bound(current: Sequence[float], candidate: Sequence[float], confidence: float) -> float:
     """One-sided lower confidence bound of mean(candidate) - mean(current), paired."""
     n = len(current)
@@ -169,12 +179,7 @@ class ReplayGate:
 
     @classmethod
     def from_config(cls, config: GateConfig, llm: LLMClient) -> ReplayGate:
-        if config.evaluator == "agent":
-            llm.require("agent")
-            if config.scorer == "judge":
-                llm.require("judge")
-            return cls(config, AgentEvaluator(llm, config.scorer))
-        return cls(config, load_evaluator(config.evaluator))
+        return cls(config, evaluator_from_config(config, llm))
 
     async def review(self, candidate: Candidate) -> Verdict:
         if not covers(self._config, candidate.key):
@@ -285,6 +290,7 @@ __all__ = [
     "Evaluator",
     "ReplayGate",
     "Score",
+    "evaluator_from_config",
     "load_evaluator",
     "lower_bound",
 ]

@@ -1,0 +1,154 @@
+"""The lesson check: a new bullet is kept only if it fixes a failure it was learned from.
+
+Each new bullet of a candidate is tried alone (the parent's playbook plus that bullet) on up to
+``gate.lesson_tasks`` of the tasks its curator group learned from whose traces may have failed
+and carry a reference answer, those that share most words with the bullet first; the tasks the
+parent itself still answers wrong are the test. A bullet that fixes none of them is blamed, and
+the learner's blame-prune reviews the candidate without it. A bullet with no such task to try
+(lessons from traces without a reference answer, an earlier window's waiting lesson, a merged
+bullet whose text is new) is not judged and stays.
+
+Why (a choice the paper leaves open): ACE and Combee keep whatever the curator writes, and a
+real 1.5B curator writes rules that sound right and change nothing: "use the correct formula
+with decimal fractions instead of percentages" without the formula, a rounding rule that
+contradicts the task's decimals, a formula the reflector invented (docs/demo-runs.md). Such a
+bullet then also hides the lesson that would have worked: the next windows' lessons are judged
+already stated by it and never reach a curator. GEPA accepts a candidate prompt only if it does
+better on the minibatch it was proposed from; this is that test, per bullet, on the window's
+own failures: cheap (the parent's answers are one request per task, shared by all bullets and
+memoised by the LLM client) and about the bullet's own claim. It is a filter, not a measure:
+one fixed task of four can be the agent's nondeterminism (about one answer in twelve changes
+between two identical requests on a parallel-slot server), so it keeps some bullets that fix
+nothing; whether a version helps is the replay gate's question, on held-out tasks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+import anyio
+
+from combee_stream.config import GateConfig
+from combee_stream.core.commit import without
+from combee_stream.core.gate import Candidate, Verdict
+from combee_stream.core.holdout import gated
+from combee_stream.core.hygiene import content_words
+from combee_stream.core.playbook import find_bullet, normalize, render
+from combee_stream.evaluation.replay import Evaluator, Score, evaluator_from_config
+from combee_stream.llm import LLMCallError, LLMClient
+from combee_stream.logs import get_logger
+from combee_stream.schemas import GateReport, HeldOutTask
+
+NAME: Final = "lessons"
+log = get_logger(__name__)
+
+
+def relevant(content: str, tasks: Sequence[HeldOutTask], limit: int) -> list[HeldOutTask]:
+    """The ``limit`` tasks sharing most content words with a bullet (in their order on ties)."""
+    words = set(content_words(content))
+    ranked = sorted(
+        enumerate(tasks), key=lambda it: (-len(words & set(content_words(it[1].task))), it[0])
+    )
+    return [task for _, task in ranked[:limit]]
+
+
+class LessonGate:
+    """:class:`~combee_stream.core.gate.PublishGate` that retries each new bullet on the
+    failures it was learned from (see the module's docstring)."""
+
+    name = NAME
+
+    def __init__(self, config: GateConfig, evaluate: Evaluator) -> None:
+        self._config = config
+        self._evaluate = evaluate
+
+    @classmethod
+    def from_config(cls, config: GateConfig, llm: LLMClient) -> LessonGate:
+        return cls(config, evaluator_from_config(config, llm))
+
+    async def review(self, candidate: Candidate) -> Verdict:
+        if not gated(self._config, candidate.key):
+            return Verdict(accepted=True)
+        old = {b.id for s in candidate.parent.sections for b in s.bullets}
+        new = [b.id for s in candidate.playbook.sections for b in s.bullets if b.id not in old]
+        retries = {t.trace_id: t for t in candidate.retries}
+        plan: dict[str, list[HeldOutTask]] = {}
+        for bullet_id in new:
+            bullet = find_bullet(candidate.playbook, bullet_id)
+            assert bullet is not None
+            sources = candidate.add_traces.get(normalize(bullet.content), [])
+            tasks = [retries[i] for i in dict.fromkeys(sources) if i in retries]
+            if tasks:
+                plan[bullet_id] = relevant(bullet.content, tasks, self._config.lesson_tasks)
+        if not plan:
+            return Verdict(accepted=True)
+        parent = render(candidate.parent)
+        prompts = {b: render(without(candidate.playbook, set(new) - {b})) for b in plan}
+        limiter = anyio.CapacityLimiter(self._config.concurrency)
+        before: dict[str, float] = {}
+        after: dict[tuple[str, str], float] = {}
+
+        async def score(prompt: str, task: HeldOutTask) -> float:
+            async with limiter:
+                found = await self._evaluate(prompt, task)
+            return found.value if isinstance(found, Score) else float(found)
+
+        async def under_parent(task: HeldOutTask) -> None:
+            before[task.trace_id] = await score(parent, task)
+
+        async def under_bullet(bullet_id: str, task: HeldOutTask) -> None:
+            after[bullet_id, task.trace_id] = await score(prompts[bullet_id], task)
+
+        distinct = {t.trace_id: t for tasks in plan.values() for t in tasks}
+        failure: list[BaseException] = []
+        try:
+            async with anyio.create_task_group() as tg:
+                for task in distinct.values():
+                    tg.start_soon(under_parent, task)
+            async with anyio.create_task_group() as tg:
+                for bullet_id, tasks in plan.items():
+                    for task in tasks:
+                        if before[task.trace_id] < 1.0:
+                            tg.start_soon(under_bullet, bullet_id, task)
+        except* LLMCallError as group:
+            failure.extend(group.exceptions)
+        if failure:
+            return Verdict(accepted=False, reason=f"lesson check failed: {failure[0]}")
+        # Only the tasks the parent still fails test a bullet: one it answers right already
+        # (the trace's failure was the agent's chance, or came under an older version) cannot
+        # show a fix.
+        tried = {b: [t for t in tasks if (b, t.trace_id) in after] for b, tasks in plan.items()}
+        fixed = {b: [t for t in tried[b] if after[b, t.trace_id] >= 1.0] for b in plan}
+        blame = [b for b in plan if tried[b] and not fixed[b]]
+        failing = [t for t in distinct.values() if before[t.trace_id] < 1.0]
+        n = len(distinct)
+        mended = {t.trace_id for b in plan for t in fixed[b]}
+        report = GateReport(
+            gate=NAME,
+            accepted=True,
+            n=n,
+            current=round((n - len(failing)) / n, 4),
+            candidate=round((n - len(failing) + len(mended)) / n, 4),
+            # No interval: a filter of bullets, not a test of the version (the replay gate's).
+            lower=0.0,
+        )
+        log.info(
+            "lesson check",
+            key=candidate.key,
+            bullets=len(plan),
+            tasks=n,
+            parent_right=n - len(failing),
+            fixed={b: len(fixed[b]) for b in plan},
+            blamed=blame,
+        )
+        reason = (
+            f"{len(blame)} new bullet(s) fixed none of the failures they were learned from: "
+            + ", ".join(f"{b} (0 of {len(tried[b])})" for b in blame)
+            if blame
+            else ""
+        )
+        return Verdict(accepted=True, reason=reason, report=report, blame=blame)
+
+
+__all__ = ["NAME", "LessonGate", "relevant"]
