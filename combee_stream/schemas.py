@@ -282,7 +282,8 @@ class GateReport(Struct, frozen=True, forbid_unknown_fields=True):
     lower: float
     broke: list[str] = []  # trace ids of the tasks right before and wrong under the candidate
     # Bullets of the window left out (the agent cited them on held-out tasks it answered
-    # wrong): the rest of the window was reviewed again, and this report is of that review.
+    # wrong, or, the lesson check, they fixed none of their failures): the rest of the window
+    # was reviewed again, and this report is of that review.
     pruned: list[str] = []
     # The whole candidate was refused and ``pruned`` is its other part: earlier windows'
     # waiting lessons and this window's reviewed apart, this report of the part kept.
@@ -294,7 +295,9 @@ class GateReport(Struct, frozen=True, forbid_unknown_fields=True):
             return ""
         if self.split:
             return f"left out {len(self.pruned)} new bullet(s) of one part (the whole was refused)"
-        return f"left out {len(self.pruned)} new bullet(s) blamed for wrong answers"
+        # (blamed by the replay gate for wrong answers, or by the lesson check for fixing none
+        # of the failures they came from)
+        return f"left out {len(self.pruned)} new bullet(s) the gate blamed"
 
 
 class Consolidation(Struct, frozen=True, forbid_unknown_fields=True):
