@@ -152,3 +152,21 @@ async def test_the_learner_leaves_out_the_poisoned_rules_and_keeps_the_lessons()
     assert any("poison." in p for p in unchecked)  # the stream does poison an unchecked key
     assert not any("poison." in p for p in checked)
     assert checked[-1].count("LESSON[") >= 4, checked[-1]
+
+
+def test_the_config_builds_the_check_before_the_replay_gate() -> None:
+    from combee_stream.core.gate import AcceptAll
+    from combee_stream.evaluation.replay import ReplayGate
+    from combee_stream.llm import LLMClient
+    from combee_stream.sim import IN_PROCESS_BASE_URL, simulated_llm
+    from combee_stream.wiring import build_gate
+
+    def built(gate: GateConfig) -> object:
+        cfg = Config(gate=gate, llm=simulated_llm(IN_PROCESS_BASE_URL))
+        return build_gate(cfg, LLMClient(cfg.llm, env={}))
+
+    assert isinstance(built(GateConfig()), AcceptAll)
+    assert isinstance(built(GateConfig(check_lessons=True)), LessonGate)
+    assert isinstance(built(GateConfig(replay=True)), ReplayGate)
+    chain = built(GateConfig(check_lessons=True, replay=True))
+    assert isinstance(chain, GateChain) and chain.name == "lessons+replay"
