@@ -151,6 +151,19 @@ def test_the_gate_blame_is_pruned_and_the_rest_reviewed_again() -> None:
     assert result.rejection is None and bullets(result.playbook) == ["good rule"]
 
 
+def test_what_the_blame_leaves_waits_when_the_second_review_cannot_judge_yet() -> None:
+    """A chain's lesson check blames a bullet, and the replay gate after it, shown the rest,
+    has too few held-out tasks: the rest waits for the next review, not refused."""
+    blamed = apply(new_playbook(KEY), proposal("vague rule", "good rule").delta, token_budget=None)
+    wait = Verdict(accepted=False, reason="3 held-out task(s)", deferred=True)
+    gate = Recording(Verdict(accepted=False, reason="fixed none", blame=[blamed.added[0]]), wait)
+    result = run(["vague rule", "good rule"], gate)
+    assert gate.shown == [["vague rule", "good rule"], ["good rule"]]
+    assert result.rejection is None and bullets(result.playbook) == []
+    assert result.holdout is not None
+    assert result.holdout.pending == [AddOp(section=SECTION, content="good rule")]
+
+
 def test_a_refused_candidate_keeps_nothing_of_its_window_but_its_provenance() -> None:
     gate = Recording(Verdict(accepted=False, reason="worse on held-out tasks"))
     result = run(["a rule the gate refuses"], gate)

@@ -276,18 +276,13 @@ class Commit:
         if verdict.holdout is not None:
             self._holdout = verdict.holdout
         if verdict.deferred:
-            # Not judged: what the review kept waits for the next window's candidate; this
-            # version carries the window's tags and provenance (its traces are learned).
-            waiting = changes(self._base, result.playbook)
-            holdout = self._holdout or Holdout()
-            self._holdout = msgspec.structs.replace(holdout, pending=waiting)
-            self._base, self._consolidation = self._onto, None
-            self._fallbacks = [self._keep_only(True), self._keep_only(False)]
-            log.info("gate deferred the window", key=self._onto.key, reason=verdict.reason,
-                     pending=len(waiting))  # fmt: skip
-            return result
+            return self._deferred(result, verdict)
         if verdict.blame:
             pruned, second = await self._reviewed_without(result, verdict.blame)
+            if second.deferred:
+                # A gate chain's first gate blamed bullets and the next cannot judge yet: the
+                # rest waits, as an unblamed window's would.
+                return self._deferred(pruned, second)
             if second.accepted:
                 result, verdict = pruned, second
         if not verdict.accepted:
@@ -296,6 +291,18 @@ class Commit:
             self._rejection = GateRejection(gate=self._gate.name, reason=verdict.reason)
             self._base, self._consolidation = self._onto, None
             self._fallbacks = [self._keep_only(False)]
+        return result
+
+    def _deferred(self, result: ApplyResult, verdict: Verdict) -> ApplyResult:
+        """Not judged: what the review kept waits for the next window's candidate; this
+        version carries the window's tags and provenance (its traces are learned)."""
+        waiting = changes(self._base, result.playbook)
+        holdout = verdict.holdout or self._holdout or Holdout()
+        self._holdout = msgspec.structs.replace(holdout, pending=waiting)
+        self._base, self._consolidation = self._onto, None
+        self._fallbacks = [self._keep_only(True), self._keep_only(False)]
+        log.info("gate deferred the window", key=self._onto.key, reason=verdict.reason,
+                 pending=len(waiting))  # fmt: skip
         return result
 
     async def _split(self, result: ApplyResult, verdict: Verdict) -> tuple[ApplyResult, Verdict]:
@@ -329,9 +336,11 @@ class Commit:
     ) -> tuple[ApplyResult, Verdict]:
         """The gate's review of ``result`` without the bullets ``left_out`` (the blame-prune's
         and the split's second look): passed, the narrowed result, its report naming what was
-        left out; else ``result`` as it was, with the verdict."""
+        left out; deferred, the narrowed result; else ``result`` as it was, with the verdict."""
         part = without(result.playbook, set(left_out))
         verdict = await self._reviewed_by_gate(part)
+        if verdict.deferred:
+            return narrowed_to(result, part), verdict
         if not verdict.accepted:
             return result, verdict
         if verdict.report is not None:
