@@ -20,7 +20,8 @@ steps (:class:`Commit`), each of which may narrow what the version carries:
    kept when the rest passes; **split**: a refused candidate that carries earlier windows'
    waiting lessons and this window's is reviewed as its two parts, the earlier windows' first,
    and the first part that passes is kept; a refusal keeps nothing of the candidate; a gate
-   that cannot judge yet (too few held-out tasks) **defers**: what the review kept waits in
+   that cannot judge yet (too few held-out tasks) **defers**, also on the blame-prune's second
+   look (a chain's lesson check blamed, its replay gate cannot judge): what is left waits in
    ``Holdout.pending`` for the next window, and this version carries the window's tags and
    provenance;
 7. **fall back** — tags + provenance, then provenance only (a gate refusal: provenance only);
