@@ -123,6 +123,7 @@ class PromptRow(Struct, kw_only=True):
     parked_traces: int = 0  # traces of windows that failed for good
     gate_refused: int = 0  # windows the token budget or the gate refused
     published_worse: int = 0  # versions published that answered fewer held-out tasks
+    left_out: int = 0  # new bullets the gate blamed and left out of a published version
     removes_applied: int = 0
     learn_wall_s: float = 0.0
     capacity_share: float = 0.0  # learner output tokens / (wall x parallel capacity)
@@ -389,6 +390,8 @@ def _learned(
         gate = update.stats.gate
         if gate is not None and gate.accepted and gate.candidate < gate.current:
             row.published_worse += 1
+        if gate is not None and gate.accepted and not gate.split:
+            row.left_out += len(gate.pruned)
         now = {b.id for sec in update.playbook.sections for b in sec.bullets}
         row.removes_applied += len(before - now)  # removed, or merged by consolidation
         before = now
@@ -631,7 +634,9 @@ def markdown(report: QualityReport) -> str:
                 f"{r.learn_tokens_in:,} / {r.learn_tokens_out:,}",
                 f"{r.cache_share:.0%}" if r.prompt != "base" else "–",
                 f"{r.truncated_replies} / {r.parked_traces}" if r.prompt != "base" else "–",
-                f"{r.gate_refused}" if r.prompt != "base" else "–",
+                (f"{r.gate_refused}" + (f" ({r.left_out} bullets left out)" if r.left_out else ""))
+                if r.prompt != "base"
+                else "–",
                 f"{r.learn_wall_s / 60:.1f}" if r.prompt != "base" else "–",
                 f"{r.eval_wall_s / 60:.1f}",
                 f"{r.capacity_share:.0%}" if r.prompt != "base" else "–",
