@@ -20,6 +20,15 @@ memoised by the LLM client) and about the bullet's own claim. It is a filter, no
 one fixed task of four can be the agent's nondeterminism (about one answer in twelve changes
 between two identical requests on a parallel-slot server), so it keeps some bullets that fix
 nothing; whether a version helps is the replay gate's question, on held-out tasks.
+
+Measured with a small agent, it filters little: in a window of a real Qwen2.5-Coder-1.5B run
+(2026-12-06, docs/benchmarks/quality-runs.md, the fourteenth run), each of 6 new bullets, tried
+on all 7 failures the parent answered wrong, "fixed" 2 to 4 of them, a wrong DDM formula 4 and
+an unrelated placebo bullet ("When a question gives a number in words, write it in digits.")
+1; one task was fixed by all seven prompts. An agent that moves that much with any change of
+its prompt cannot show which rule fixed what on a handful of tasks, so it is off by default;
+it is for agents whose answers a prompt change does not move by chance (a larger model, tools
+that decide the answer).
 """
 
 from __future__ import annotations
