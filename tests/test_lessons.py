@@ -47,7 +47,11 @@ def review(gate: LessonGate | GateChain, c: Candidate) -> Verdict:
     return anyio.run(gate.review, c)
 
 
-def stub(right: dict[str, set[str]], asked: Counter[tuple[str, str]] | None = None) -> LessonGate:
+def stub(
+    right: dict[str, set[str]],
+    asked: Counter[tuple[str, str]] | None = None,
+    config: GateConfig | None = None,
+) -> LessonGate:
     """A lesson gate whose agent answers task ``t`` right under a prompt iff ``t`` is in
     ``right`` of the bullet id the prompt adds to the parent (``""``: the parent alone)."""
 
@@ -59,7 +63,7 @@ def stub(right: dict[str, set[str]], asked: Counter[tuple[str, str]] | None = No
             asked[which, held.trace_id] += 1
         return 1.0 if held.trace_id in right.get(which, set()) else 0.0
 
-    return LessonGate(GateConfig(check_lessons=True, lesson_tasks=2), evaluate)
+    return LessonGate(config or GateConfig(check_lessons=True, lesson_tasks=2), evaluate)
 
 
 def test_a_bullet_that_fixes_none_of_its_failures_is_blamed() -> None:
@@ -84,6 +88,10 @@ def test_what_cannot_be_tried_is_not_judged() -> None:
     # Every source task right under the parent already: nothing to fix, nothing blamed.
     verdict = review(stub({"": {"t0", "t1", "t2"}}), candidate(VAGUE))
     assert verdict.accepted and verdict.blame == []
+    # A task over gate.max_task_chars is not retried (nothing left to try: not judged).
+    assert review(stub({}), candidate(VAGUE)).blame == ["vague"]  # (the tasks are short)
+    short = stub({}, config=GateConfig(check_lessons=True, max_task_chars=2))
+    assert review(short, candidate(VAGUE)).blame == []
     # Keys outside gate.keys are not checked.
     other = LessonGate(GateConfig(check_lessons=True, keys=["prod-*"]), lambda p, t: 0.0)  # type: ignore[arg-type,return-value]
     assert review(other, candidate(VAGUE)) == Verdict(accepted=True)

@@ -81,7 +81,13 @@ class LessonGate:
             return Verdict(accepted=True)
         old = {b.id for s in candidate.parent.sections for b in s.bullets}
         new = [b.id for s in candidate.playbook.sections for b in s.bullets if b.id not in old]
-        retries = {t.trace_id: t for t in candidate.retries}
+        # As for held-out tasks, a task too long to answer cheaply is not retried.
+        limit = self._config.max_task_chars
+        retries = {
+            t.trace_id: t
+            for t in candidate.retries
+            if len(t.task) <= limit and len(t.answer) <= limit
+        }
         plan: dict[str, list[HeldOutTask]] = {}
         for bullet_id in new:
             bullet = find_bullet(candidate.playbook, bullet_id)
