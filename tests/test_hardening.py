@@ -516,6 +516,11 @@ async def test_a_paused_zombie_instance_cannot_fork_the_version_chain(
     traces = generate_traces(80, 2, 8, seed=31)
     async with sim_server(SimSettings(seed=31, latency=LatencyModel(base_s=0.4))) as llm:
         cfg = engine_config(config, unique, llm.base_url, batch_size=5, session_timeout_ms=3000)
+        # The frozen engine's LLM calls outlive the freeze: with the tests' 5 s timeout, a
+        # freeze longer than that timed the waiting reply out on thaw, the call was retried
+        # while the rebalance cancelled the window, and the zombie never held one to publish
+        # (1 run in 5 on a loaded machine).
+        cfg = msgspec.structs.replace(cfg, llm=msgspec.structs.replace(cfg.llm, timeout_s=120.0))
         await ensure_topics(cfg.kafka)
         await produce(cfg, traces)
         a = spawn_engine(cfg, tmp_path / "a.log")

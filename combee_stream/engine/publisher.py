@@ -209,6 +209,9 @@ class Publisher:
     async def publish(self, chain: KeyChain, update: PromptUpdate, window: Window) -> bool:
         part = self._partitions.get(chain.partition)
         if part is None:
+            # Revoked before the window was ready (a thawed zombie hears of the rebalance
+            # first): the same abandonment as one revoked while its version is persisted.
+            log.info("partition revoked: window abandoned", key=chain.key, window=window.number)
             return False
         learned = window.result.consumed if window.result is not None else []
 
