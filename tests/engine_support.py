@@ -18,13 +18,16 @@ import anyio
 import msgspec
 
 from combee_stream.config import Config
+from combee_stream.core.controller import FixedBatch
 from combee_stream.core.learner import Learner
+from combee_stream.core.pipeline import KeyPipeline, MemorySink, PipelineSettings, closed_inbox
+from combee_stream.core.versions import KeyChain
 from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.reader import read_to_end
 from combee_stream.kafka.reader import read_updates as read_topic_updates
 from combee_stream.kafka.topics import run_topics
 from combee_stream.llm import LLMClient
-from combee_stream.schemas import PromptUpdate, Trace
+from combee_stream.schemas import PromptUpdate, Source, Trace
 from combee_stream.sim import IN_PROCESS_BASE_URL, SimSettings, sim_http_client, simulated_llm
 from combee_stream.sim.markers import retained_ids
 from combee_stream.wiring import build_learner
@@ -80,6 +83,21 @@ async def sim_learner(cfg: Config, seed: int = 0) -> AsyncIterator[Learner]:
             yield build_learner(cfg, llm, env=SECRETS)
         finally:
             await llm.aclose()
+
+
+async def learned_in_memory(
+    learner: Learner, key: str, traces: list[Trace], batch_size: int
+) -> list[PromptUpdate]:
+    """The versions one key's pipeline publishes learning ``traces`` in windows of
+    ``batch_size``, one window at a time, into a MemorySink (no Kafka)."""
+    items = [(t, Source(t.trace_id, 0, i)) for i, t in enumerate(traces)]
+    sink = MemorySink()
+    pipeline = KeyPipeline(
+        KeyChain(key), learner, FixedBatch(batch_size), sink, closed_inbox(items),
+        PipelineSettings(pipelined=False, max_windows_in_flight=1),
+    )  # fmt: skip
+    await pipeline.run()
+    return sink.updates
 
 
 def env_for(cfg: Config) -> dict[str, str]:

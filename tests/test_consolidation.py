@@ -9,15 +9,12 @@ import random
 from contextlib import AbstractAsyncContextManager
 
 import pytest
-from engine_support import sim_learner
+from engine_support import learned_in_memory, sim_learner
 
 from combee_stream.config import Config, LearningConfig
-from combee_stream.core.controller import FixedBatch
 from combee_stream.core.learner import Learner
-from combee_stream.core.pipeline import KeyPipeline, MemorySink, PipelineSettings, closed_inbox
 from combee_stream.core.playbook import new_playbook, playbook_tokens
-from combee_stream.core.versions import KeyChain
-from combee_stream.schemas import Bullet, Feedback, PromptUpdate, Section, Source, Trace
+from combee_stream.schemas import Bullet, Feedback, PromptUpdate, Section, Trace
 from combee_stream.sim.markers import VARIANT, base_id, marker_line, retained_ids
 from combee_stream.sim.traces import lesson_text
 
@@ -57,15 +54,8 @@ def worded_stream() -> list[Trace]:
 
 
 async def learn(traces: list[Trace], **learning: object) -> list[PromptUpdate]:
-    items = [(t, Source(t.trace_id, 0, i)) for i, t in enumerate(traces)]
     async with learner(**learning) as gated:
-        sink = MemorySink()
-        pipeline = KeyPipeline(
-            KeyChain(KEY), gated, FixedBatch(24), sink, closed_inbox(items),
-            PipelineSettings(pipelined=False, max_windows_in_flight=1),
-        )  # fmt: skip
-        await pipeline.run()
-    return sink.updates
+        return await learned_in_memory(gated, KEY, traces, 24)
 
 
 def lessons_kept(update: PromptUpdate) -> set[str]:

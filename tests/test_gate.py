@@ -19,6 +19,7 @@ from engine_support import (
     HOLDOUT_SECRET,
     SECRETS,
     engine_config,
+    learned_in_memory,
     produce,
     read_updates,
     sim_learner,
@@ -26,13 +27,10 @@ from engine_support import (
 
 from combee_stream import Engine
 from combee_stream.config import Config, ConfigError, GateConfig, LearningConfig
-from combee_stream.core.controller import FixedBatch
 from combee_stream.core.gate import Candidate, Verdict
 from combee_stream.core.holdout import HoldoutPolicy, rank
 from combee_stream.core.learner import Learner
-from combee_stream.core.pipeline import KeyPipeline, MemorySink, PipelineSettings, closed_inbox
 from combee_stream.core.playbook import render
-from combee_stream.core.versions import KeyChain
 from combee_stream.evaluation.replay import AgentEvaluator, ReplayGate, Score, lower_bound
 from combee_stream.kafka.history import PRODUCTION, read_history
 from combee_stream.llm import LLMClient
@@ -46,7 +44,6 @@ from combee_stream.schemas import (
     Playbook,
     PromptUpdate,
     Section,
-    Source,
     Trace,
 )
 from combee_stream.sim import (
@@ -175,15 +172,8 @@ def consumed(updates: list[PromptUpdate]) -> Counter[str]:
 @pytest.mark.anyio
 async def test_a_poisoned_candidate_is_refused_and_a_good_one_published() -> None:
     traces = poisoned_stream(96, 12)
-    items = [(t, Source(t.trace_id, 0, i)) for i, t in enumerate(traces)]
     async with gated_learner() as learner:
-        sink = MemorySink()
-        pipeline = KeyPipeline(
-            KeyChain(KEY), learner, FixedBatch(12), sink, closed_inbox(items),
-            PipelineSettings(pipelined=False, max_windows_in_flight=1),
-        )  # fmt: skip
-        await pipeline.run()
-    updates = sink.updates
+        updates = await learned_in_memory(learner, KEY, traces, 12)
     # Every trace consumed exactly once: learned, or held out (never both).
     assert consumed(updates) == Counter(t.trace_id for t in traces)
     held = {i for u in updates for i in u.stats.held_out}

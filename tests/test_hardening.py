@@ -20,6 +20,7 @@ from engine_support import (
     engine_config,
     env_for,
     kill,
+    learned_in_memory,
     lessons_of,
     produce,
     read_updates,
@@ -289,9 +290,6 @@ async def test_a_key_of_cjk_lessons_is_consolidated_at_the_byte_limit_and_keeps_
     from engine_support import sim_learner
 
     from combee_stream.config import KafkaConfig, LearningConfig
-    from combee_stream.core.controller import FixedBatch
-    from combee_stream.core.pipeline import KeyPipeline, MemorySink, PipelineSettings, closed_inbox
-    from combee_stream.core.versions import KeyChain
     from combee_stream.sim.markers import VARIANT, base_id, retained_ids
 
     lessons, wordings, limit = 24, 20, 65_536
@@ -315,15 +313,8 @@ async def test_a_key_of_cjk_lessons_is_consolidated_at_the_byte_limit_and_keeps_
         learning=LearningConfig(seed=0, max_bullet_chars=2_000),
         kafka=KafkaConfig(max_message_bytes=limit),
     )
-    items = [(t, Source(t.trace_id, 0, i)) for i, t in enumerate(traces)]
     async with sim_learner(cfg) as learner:
-        sink = MemorySink()
-        pipeline = KeyPipeline(
-            KeyChain("cjk"), learner, FixedBatch(24), sink, closed_inbox(items),
-            PipelineSettings(pipelined=False, max_windows_in_flight=1),
-        )  # fmt: skip
-        await pipeline.run()
-    updates = sink.updates
+        updates = await learned_in_memory(learner, "cjk", traces, 24)
     final = updates[-1]
     assert playbook_tokens_of(final) < cfg.learning.consolidate_at * cfg.learning.token_budget
     assert any(u.stats.consolidated is not None for u in updates), "consolidated on bytes"

@@ -8,16 +8,13 @@ from collections import Counter
 
 import anyio
 import pytest
-from engine_support import sim_learner
+from engine_support import learned_in_memory, sim_learner
 
 from combee_stream.config import Config, GateConfig, LearningConfig
-from combee_stream.core.controller import FixedBatch
 from combee_stream.core.gate import Candidate, GateChain, Verdict
-from combee_stream.core.pipeline import KeyPipeline, MemorySink, PipelineSettings, closed_inbox
 from combee_stream.core.playbook import normalize, render
-from combee_stream.core.versions import KeyChain
 from combee_stream.evaluation.lessons import LessonGate, relevant
-from combee_stream.schemas import Bullet, Delta, HeldOutTask, Playbook, Section, Source
+from combee_stream.schemas import Bullet, Delta, HeldOutTask, Playbook, Section
 from combee_stream.sim.tasks import sim_tasks, task_traces
 
 KEY = "sim-k0"
@@ -135,18 +132,11 @@ async def test_the_learner_leaves_out_the_poisoned_rules_and_keeps_the_lessons()
     version carries it and the lessons are served."""
     tasks = sim_tasks(36, 1, 6)
     traces = task_traces(tasks, poisoned={t.id for t in tasks[2::3]})
-    items = [(t, Source(t.trace_id, 0, i)) for i, t in enumerate(traces)]
 
     async def learned(check: bool) -> list[str]:
         cfg = Config(learning=LearningConfig(seed=0), gate=GateConfig(check_lessons=check))
         async with sim_learner(cfg) as learner:
-            sink = MemorySink()
-            pipeline = KeyPipeline(
-                KeyChain(KEY), learner, FixedBatch(12), sink, closed_inbox(items),
-                PipelineSettings(pipelined=False, max_windows_in_flight=1),
-            )  # fmt: skip
-            await pipeline.run()
-        updates = sink.updates
+            updates = await learned_in_memory(learner, KEY, traces, 12)
         # Every trace learned once either way: a left-out bullet loses no trace.
         assert Counter(i for u in updates for i in u.stats.trace_ids) == Counter(
             t.trace_id for t in traces
