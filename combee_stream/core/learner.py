@@ -409,8 +409,9 @@ class Learner:
             group_traces = [rec.reflection.source.trace_id for rec in group]
             for op in operations:
                 if isinstance(op, AddOp):
-                    add_tasks.setdefault(normalize(op.content), []).extend(group_tasks)
-                    add_traces.setdefault(normalize(op.content), []).extend(group_traces)
+                    norm = normalize(op.content)
+                    add_tasks.setdefault(norm, []).extend(group_tasks)
+                    add_traces.setdefault(norm, []).extend(group_traces)
             remove_votes.update({op.bullet_id for op in operations if isinstance(op, RemoveOp)})
             return Delta(
                 key=key,
