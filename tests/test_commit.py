@@ -151,6 +151,19 @@ def test_the_gate_blame_is_pruned_and_the_rest_reviewed_again() -> None:
     assert result.rejection is None and bullets(result.playbook) == ["good rule"]
 
 
+def test_a_blame_of_every_new_bullet_is_still_reported() -> None:
+    """The lesson check blames the window's only bullet; shown the parent again it has nothing
+    to judge and reports nothing: the version keeps the first report, naming the bullet."""
+    blamed = apply(new_playbook(KEY), proposal("vague rule").delta, token_budget=None)
+    found = GateReport(gate="lessons", accepted=True, n=4, current=0.0, candidate=0.0, lower=0)
+    gate = Recording(Verdict(accepted=True, blame=blamed.added, report=found))
+    result = run(["vague rule"], gate)
+    assert gate.shown == [["vague rule"], []]
+    assert result.rejection is None and bullets(result.playbook) == []
+    assert result.report is not None and result.report.pruned == blamed.added
+    assert result.report.left_out() == "left out 1 new bullet(s) the gate blamed"
+
+
 def test_what_the_blame_leaves_waits_when_the_second_review_cannot_judge_yet() -> None:
     """A chain's lesson check blames a bullet, and the replay gate after it, shown the rest,
     has too few held-out tasks: the rest waits for the next review, not refused."""

@@ -77,6 +77,41 @@ def test_a_bullet_that_fixes_none_of_its_failures_is_blamed() -> None:
     assert (verdict.report.n, verdict.report.current, verdict.report.candidate) == (2, 0.5, 1.0)
 
 
+NPV = Bullet(id="npv", content="When computing NPV, discount each cash flow by its own year.")
+
+
+def joint_stub(right: dict[frozenset[str], set[str]], asked: list[frozenset[str]]) -> LessonGate:
+    """A lesson gate whose agent answers a task right iff it is in ``right`` of the set of new
+    bullets its prompt carries (a set absent from ``right``: nothing right)."""
+
+    async def evaluate(prompt: str, held: HeldOutTask) -> float:
+        added = frozenset(b for b in (RULE.id, NPV.id) if f"[{b}]" in prompt)
+        asked.append(added)
+        return 1.0 if held.trace_id in right.get(added, set()) else 0.0
+
+    return LessonGate(GateConfig(check_lessons=True, lesson_tasks=2), evaluate)
+
+
+def test_bullets_that_help_alone_are_kept_together_only_if_together_they_help_more() -> None:
+    rule, npv, both = frozenset({"rule"}), frozenset({"npv"}), frozenset({"rule", "npv"})
+    # Alone the margin rule fixes both margin tasks and the NPV rule the NPV task; together
+    # the agent follows neither (a small agent given two rules).
+    asked: list[frozenset[str]] = []
+    gate = joint_stub({rule: {"t0", "t1"}, npv: {"t2"}}, asked)
+    verdict = review(gate, candidate(RULE, NPV))
+    assert verdict.accepted and verdict.blame == ["npv"]
+    assert "npv (1 of 2 alone)" in verdict.reason and "beside rule" in verdict.reason
+    # Joined most fixes first: the margin rule alone and then both, on all 3 failures.
+    assert asked.count(both) == 3 and asked.count(rule) == 2 + 3
+    assert verdict.report is not None and verdict.report.candidate == round(2 / 3, 4)
+    # Together they fix all three: both kept, and the report counts what they fix together.
+    asked.clear()
+    gate = joint_stub({rule: {"t0", "t1"}, npv: {"t2"}, both: {"t0", "t1", "t2"}}, asked)
+    verdict = review(gate, candidate(RULE, NPV))
+    assert verdict.accepted and verdict.blame == [] and verdict.reason == ""
+    assert verdict.report is not None and verdict.report.candidate == 1.0
+
+
 def test_what_cannot_be_tried_is_not_judged() -> None:
     gate = stub({})  # nothing is ever right
     # A bullet whose sources carry no failed task with a reference answer: not judged.

@@ -344,8 +344,12 @@ class Commit:
             return narrowed_to(result, part), verdict
         if not verdict.accepted:
             return result, verdict
-        if verdict.report is not None:
-            self._report = msgspec.structs.replace(verdict.report, pruned=left_out, split=split)
+        # A gate with nothing left to judge reports nothing (the lesson check, once every new
+        # bullet is left out): the first report then stands, naming what was left out, so the
+        # version still says which bullets the gate kept from its agents.
+        report = verdict.report or self._report
+        if report is not None:
+            self._report = msgspec.structs.replace(report, pruned=left_out, split=split)
         return narrowed_to(result, part), verdict
 
     def _fallen_back(self, result: ApplyResult, applied_delta: Delta) -> tuple[ApplyResult, Delta]:

@@ -12,6 +12,7 @@ import anyio
 import msgspec
 
 from combee_stream.config import Config
+from combee_stream.evaluation.lessons import NAME as LESSONS
 from combee_stream.kafka.broker import start_broker
 from combee_stream.kafka.topics import ensure_topics, run_topics
 from combee_stream.logs import configure_logging
@@ -61,6 +62,9 @@ def gate_note(update: PromptUpdate) -> str:
     if stats.gate is not None:
         g = stats.gate
         left = f", {g.left_out()}" if g.pruned else ""
+        if g.gate == LESSONS:  # its tasks: the window's failures, retried with each new bullet
+            fixed = round((g.candidate - g.current) * g.n)
+            return f"{held}; lesson check: {fixed} of {g.n} failures fixed{left}"
         return f"{held}; gate passed ({g.current:.0%} -> {g.candidate:.0%} on {g.n} tasks{left})"
     return held
 

@@ -5,11 +5,20 @@ agent answers and versions arrive: per prompt version, the agent's runs and how 
 the batch size the controller chose for the window that made it, the bullets, and what the
 publish gate did with it.
 
-The gate is as the config says (off by default; ``COMBEE__GATE__REPLAY=true`` turns it on). It is
-not forced on here as in ``demo --sim``: with the gate on (``DEMO_GATE``, numeric scorer), a run
-of this demo on 2026-12-01 held out 6 of its 24 tasks, reached 5 held-out tasks by the end and
+The replay gate is as the config says (off by default; ``COMBEE__GATE__REPLAY=true`` turns it
+on). It is not forced on here as in ``demo --sim``: with it on (``DEMO_GATE``, numeric scorer), a
+run of this demo on 2026-12-01 held out 6 of its 24 tasks, reached 5 held-out tasks by the end and
 refused every window for want of ``min_samples``; a held-out test needs a longer stream than a
-demo's.
+demo's. The lesson check (``gate.check_lessons``, :mod:`combee_stream.evaluation.lessons`) is on:
+it needs no held-out tasks, and this is the agent it is made for. The base agent misses every
+task of the demo's families, so a retried failure that comes right is the bullet's doing, not
+chance; and what kept runs at 0 of 20 was a bullet that sounds right and fixes nothing ("use the
+correct formula with decimal fractions", no formula), which then stood in for the lessons that
+carried the formula. The traces of a run that ended 0 of 20 (seed 656269, 2026-12-06), learned
+again offline with the same settings (batch 8, one memo of LLM replies for both): without the
+check 0 of 20 again; with it 6 of 20 (+30 points, +8 to +52): it left out the vague CAPM bullet
+(0 of 4 fixed) and an operating-income one (0 of 3), and kept "use the formula E(Ri) = Rf + βi *
+(ERm - Rf) with the rates as decimal fractions" (2 of 4).
 """
 
 from __future__ import annotations
@@ -121,6 +130,7 @@ async def run_live_demo(args: argparse.Namespace, config: Config) -> int:
             # with these, 4 windows and 12.5 minutes in all (seed 867212, 2026-12-04; with 60 s
             # and 4, 7 windows and 13.7 minutes).
             engine=msgspec.structs.replace(cfg.engine, metrics_port=0, max_wait_s=120.0),
+            gate=msgspec.structs.replace(cfg.gate, check_lessons=True),
             # A small local model learns as bench quality measures it: the reflector reads
             # failures and the successes that cited bullets, and a rule its curator states once
             # per case is merged into one (by the embedding model served beside it).

@@ -33,7 +33,7 @@ that decide the answer).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Final
 
 import anyio
@@ -138,13 +138,23 @@ class LessonGate:
         blame = [b for b in plan if tried[b] and not fixed[b]]
         failing = [t for t in distinct.values() if before[t.trace_id] < 1.0]
         n = len(distinct)
-        mended = {t.trace_id for b in plan for t in fixed[b]}
+        mended = len({t.trace_id for b in plan for t in fixed[b]})
+        helped = sorted((b for b in plan if fixed[b]), key=lambda b: -len(fixed[b]))
+        joined = helped
+        if len(helped) > 1:
+            try:
+                joined, mended = await self._joined(candidate, set(new), helped, failing, score)
+            except* LLMCallError as group:
+                failure.extend(group.exceptions)
+            if failure:
+                return Verdict(accepted=False, reason=f"lesson check failed: {failure[0]}")
+        crowded = [b for b in helped if b not in joined]
         report = GateReport(
             gate=NAME,
             accepted=True,
             n=n,
             current=round((n - len(failing)) / n, 4),
-            candidate=round((n - len(failing) + len(mended)) / n, 4),
+            candidate=round((n - len(failing) + mended) / n, 4),
             # No interval: a filter of bullets, not a test of the version (the replay gate's).
             lower=0.0,
         )
@@ -156,14 +166,65 @@ class LessonGate:
             parent_right=n - len(failing),
             fixed={b: len(fixed[b]) for b in plan},
             blamed=blame,
+            crowded=crowded,
         )
-        reason = (
-            f"{len(blame)} new bullet(s) fixed none of the failures they were learned from: "
-            + ", ".join(f"{b} (0 of {len(tried[b])})" for b in blame)
-            if blame
-            else ""
+        reasons = []
+        if blame:
+            reasons.append(
+                f"{len(blame)} new bullet(s) fixed none of the failures they were learned from: "
+                + ", ".join(f"{b} (0 of {len(tried[b])})" for b in blame)
+            )
+        if crowded:
+            reasons.append(
+                f"{len(crowded)} fixed failures alone but none more beside "
+                + ", ".join(joined)
+                + ": "
+                + ", ".join(f"{b} ({len(fixed[b])} of {len(tried[b])} alone)" for b in crowded)
+            )
+        return Verdict(
+            accepted=True, reason="; ".join(reasons), report=report, blame=blame + crowded
         )
-        return Verdict(accepted=True, reason=reason, report=report, blame=blame)
+
+    async def _joined(
+        self,
+        candidate: Candidate,
+        new: set[str],
+        order: Sequence[str],
+        failing: Sequence[HeldOutTask],
+        score: Callable[[str, HeldOutTask], Awaitable[float]],
+    ) -> tuple[list[str], int]:
+        """The bullets that fixed failures alone, joined one at a time (most fixes first): a
+        bullet stays only if the agent with it and those kept before it fixes more of the
+        window's failures than without it; with how many the kept ones fix together.
+
+        Why: a small agent can follow each of two rules alone and neither beside the other. In
+        the real-model demo of 2026-12-06 (seed 656269), an operating-income bullet alone took
+        9 of its 10 held-out tasks, a CAPM bullet alone 2 of 10, and the two together 0 of 20:
+        beside the CAPM rule the agent scaled only one input of the subtraction by a million
+        (``48.8 - (29.1 * 1,000,000)``). Each bullet had passed the check alone. One more
+        answer per failure and bullet kept; bullets without tasks of their own, which the check
+        does not judge, are left out of these prompts as of the single ones."""
+        right: dict[str, float] = {}
+
+        async def fixes(kept: Sequence[str]) -> int:
+            prompt = render(without(candidate.playbook, new - set(kept)))
+
+            async def one(task: HeldOutTask) -> None:
+                right[task.trace_id] = await score(prompt, task)
+
+            right.clear()
+            async with anyio.create_task_group() as tg:
+                for task in failing:
+                    tg.start_soon(one, task)
+            return sum(1 for value in right.values() if value >= 1.0)
+
+        kept = [order[0]]
+        best = await fixes(kept)
+        for bullet_id in order[1:]:
+            together = await fixes([*kept, bullet_id])
+            if together > best:
+                kept, best = [*kept, bullet_id], together
+        return kept, best
 
 
 __all__ = ["NAME", "LessonGate", "relevant"]
