@@ -6,7 +6,10 @@ and carry a reference answer, those that share most words with the bullet first;
 parent itself still answers wrong are the test. A bullet that fixes none of them is blamed, and
 the learner's blame-prune reviews the candidate without it. A bullet with no such task to try
 (lessons from traces without a reference answer, an earlier window's waiting lesson, a merged
-bullet whose text is new) is not judged and stays.
+bullet whose text is new) is not judged and stays. When several new bullets each fixed a
+failure alone, they are then joined one at a time, most fixes first, on all the window's
+failures the parent still fails: a bullet that adds no fix beside those kept before it is
+blamed too (a small agent can follow each of two rules alone and neither beside the other).
 
 Why (a choice the paper leaves open): ACE and Combee keep whatever the curator writes, and a
 real 1.5B curator writes rules that sound right and change nothing: "use the correct formula
@@ -28,7 +31,8 @@ an unrelated placebo bullet ("When a question gives a number in words, write it 
 1; one task was fixed by all seven prompts. An agent that moves that much with any change of
 its prompt cannot show which rule fixed what on a handful of tasks, so it is off by default;
 it is for agents whose answers a prompt change does not move by chance (a larger model, tools
-that decide the answer).
+that decide the answer), or tasks the agent misses every time by one convention: the real-model
+demo's, where it is on (``demo/live.py`` has what it did there).
 """
 
 from __future__ import annotations
@@ -167,6 +171,8 @@ class LessonGate:
             fixed={b: len(fixed[b]) for b in plan},
             blamed=blame,
             crowded=crowded,
+            # What was left out is in no version: the log is the one place an operator reads it.
+            left_out={b: _text(candidate, b)[:200] for b in blame + crowded},
         )
         reasons = []
         if blame:
@@ -204,19 +210,18 @@ class LessonGate:
         (``48.8 - (29.1 * 1,000,000)``). Each bullet had passed the check alone. One more
         answer per failure and bullet kept; bullets without tasks of their own, which the check
         does not judge, are left out of these prompts as of the single ones."""
-        right: dict[str, float] = {}
 
         async def fixes(kept: Sequence[str]) -> int:
             prompt = render(without(candidate.playbook, new - set(kept)))
+            right: list[bool] = []
 
             async def one(task: HeldOutTask) -> None:
-                right[task.trace_id] = await score(prompt, task)
+                right.append(await score(prompt, task) >= 1.0)
 
-            right.clear()
             async with anyio.create_task_group() as tg:
                 for task in failing:
                     tg.start_soon(one, task)
-            return sum(1 for value in right.values() if value >= 1.0)
+            return sum(right)
 
         kept = [order[0]]
         best = await fixes(kept)
@@ -225,6 +230,11 @@ class LessonGate:
             if together > best:
                 kept, best = [*kept, bullet_id], together
         return kept, best
+
+
+def _text(candidate: Candidate, bullet_id: str) -> str:
+    bullet = find_bullet(candidate.playbook, bullet_id)
+    return bullet.content if bullet is not None else ""
 
 
 __all__ = ["NAME", "LessonGate", "relevant"]
