@@ -11,6 +11,7 @@ from combee_stream.core.hygiene import (
     restates,
     review_adds,
     review_edits,
+    teaches_nothing,
     violates,
 )
 from combee_stream.core.learner import tidied
@@ -327,6 +328,10 @@ def test_padding_after_a_formula_name_is_no_lesson_and_a_rule_after_one_is_kept(
         "When calculating the Days Sales Outstanding (DSO), it is important to ensure that all "
         "calculations are done correctly and that we use the appropriate conventions for units, "
         "percentages, or other relevant information.",
+        # 2026-12-06 (the fourteenth bench quality run's combee playbook): "format" and "plug
+        # in" say nothing about what to compute.
+        "When using the Dividend Discount Model (DDM), it is important to correctly format the "
+        "formula and plug in the correct values.",
     ]
     rules = [
         "When using the Sortino Ratio, subtract R_f from R_p, do not divide R_p by R_f.",
@@ -338,3 +343,7 @@ def test_padding_after_a_formula_name_is_no_lesson_and_a_rule_after_one_is_kept(
     delta = Delta(key=KEY, operations=[AddOp(section="S", content=t) for t in padded + rules])
     rejected = review_adds(playbook(), delta, tasks=[])
     assert rejected == {i: "no_lesson" for i in range(len(padded))}
+    # The same padding after a formula stated in the situation: the formula is the lesson.
+    stated = "When using P_1 = (S_1 / S_0) * P_0, use the correct formula and plug in the values."
+    assert not teaches_nothing(stated)
+    assert teaches_nothing(stated.replace("P_1 = (S_1 / S_0) * P_0", "the PPP formula"))

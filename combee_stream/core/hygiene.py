@@ -114,6 +114,10 @@ GENERIC: Final = frozenset(
     # for units, percentages, or other relevant information" (a real run's DSO bullet,
     # 2026-12-06, from a lesson whose rule was in the sentence the length bound cut).
     + "percent percentage percentages relevant other we our".split()
+    # "correctly format the formula and plug in the correct values" (a DDM bullet of a real
+    # run's combee playbook, 2026-12-06): the format of a formula and plugging values in are
+    # what any agent does, not a rule.
+    + "format formatted formatting plug plugged plugging".split()
 )
 # The default content policy: what no bullet may carry, whatever the deployment adds. Each is
 # something an attacker with write access to the traces topic would put in a bullet, and none
@@ -186,8 +190,12 @@ def teaches_nothing(text: str) -> bool:
     # Outstanding") is enough to pass the content-word check on its own, so the advice after it
     # is judged alone: "When calculating the DSO, it is important to follow the playbook's
     # instructions and ensure that all calculations are done correctly" teaches nothing.
+    # A formula stated in the situation ("When using P_1 = (S_1 / S_0) * P_0, ...") is content
+    # wherever it stands (whether the task already gave it is copies_formula's question).
     def generic(sentence: str) -> bool:
-        return all(w in GENERIC for w in content_words(advice(sentence)))
+        rest = advice(sentence)
+        situation = sentence[: len(sentence) - len(rest)]
+        return not _operator_terms(situation) and all(w in GENERIC for w in content_words(rest))
 
     return all(generic(sentence) for sentence in _SENTENCE_END.split(text.strip()))
 
