@@ -215,7 +215,7 @@ async def run_live_demo(args: argparse.Namespace, config: Config) -> int:
         f"{paired.ci95[0]:+.0%} to {paired.ci95[1]:+.0%}), exact McNemar p = {paired.mcnemar_p:.2g}"
     )
     say(f"\nthe newest prompt (v{newest.version}):\n")
-    say(newest.text or "(empty)", markup=False)
+    say(newest.text.strip() or "(empty: no bullet was served)", markup=False)
     say("\nThe broker keeps running: `combee-stream kafka stop` stops it.")
     return 0
 
