@@ -37,7 +37,7 @@ demo's, where it is on (``demo/live.py`` has what it did there).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Final
 
 import anyio
@@ -105,7 +105,6 @@ class LessonGate:
         parent = render(candidate.parent)
         prompts = {b: render(without(candidate.playbook, set(new) - {b})) for b in plan}
         limiter = anyio.CapacityLimiter(self._config.concurrency)
-        before: dict[str, float] = {}
         after: dict[tuple[str, str], float] = {}
 
         async def score(prompt: str, task: HeldOutTask) -> float:
@@ -113,18 +112,26 @@ class LessonGate:
                 found = await self._evaluate(prompt, task)
             return found.value if isinstance(found, Score) else float(found)
 
-        async def under_parent(task: HeldOutTask) -> None:
-            before[task.trace_id] = await score(parent, task)
+        async def scores(prompt: str, tasks: Iterable[HeldOutTask]) -> dict[str, float]:
+            """One prompt's score on each of ``tasks``, by trace id."""
+            found: dict[str, float] = {}
+
+            async def one(task: HeldOutTask) -> None:
+                found[task.trace_id] = await score(prompt, task)
+
+            async with anyio.create_task_group() as tg:
+                for task in tasks:
+                    tg.start_soon(one, task)
+            return found
 
         async def under_bullet(bullet_id: str, task: HeldOutTask) -> None:
             after[bullet_id, task.trace_id] = await score(prompts[bullet_id], task)
 
         distinct = {t.trace_id: t for tasks in plan.values() for t in tasks}
         failure: list[BaseException] = []
+        before: dict[str, float] = {}
         try:
-            async with anyio.create_task_group() as tg:
-                for task in distinct.values():
-                    tg.start_soon(under_parent, task)
+            before = await scores(parent, distinct.values())
             async with anyio.create_task_group() as tg:
                 for bullet_id, tasks in plan.items():
                     for task in tasks:
@@ -147,7 +154,7 @@ class LessonGate:
         joined = helped
         if len(helped) > 1:
             try:
-                joined, mended = await self._joined(candidate, set(new), helped, failing, score)
+                joined, mended = await self._joined(candidate, set(new), helped, failing, scores)
             except* LLMCallError as group:
                 failure.extend(group.exceptions)
             if failure:
@@ -197,7 +204,7 @@ class LessonGate:
         new: set[str],
         order: Sequence[str],
         failing: Sequence[HeldOutTask],
-        score: Callable[[str, HeldOutTask], Awaitable[float]],
+        scores: Callable[[str, Sequence[HeldOutTask]], Awaitable[dict[str, float]]],
     ) -> tuple[list[str], int]:
         """The bullets that fixed failures alone, joined one at a time (most fixes first): a
         bullet stays only if the agent with it and those kept before it fixes more of the
@@ -208,20 +215,13 @@ class LessonGate:
         9 of its 10 held-out tasks, a CAPM bullet alone 2 of 10, and the two together 0 of 20:
         beside the CAPM rule the agent scaled only one input of the subtraction by a million
         (``48.8 - (29.1 * 1,000,000)``). Each bullet had passed the check alone. One more
-        answer per failure and bullet kept; bullets without tasks of their own, which the check
-        does not judge, are left out of these prompts as of the single ones."""
+        answer per failure for each bullet joined (the first one's own tasks are asked again,
+        answered from the LLM client's memo); bullets without tasks of their own, which the
+        check does not judge, are left out of these prompts as of the single ones."""
 
         async def fixes(kept: Sequence[str]) -> int:
             prompt = render(without(candidate.playbook, new - set(kept)))
-            right: list[bool] = []
-
-            async def one(task: HeldOutTask) -> None:
-                right.append(await score(prompt, task) >= 1.0)
-
-            async with anyio.create_task_group() as tg:
-                for task in failing:
-                    tg.start_soon(one, task)
-            return sum(right)
+            return sum(value >= 1.0 for value in (await scores(prompt, failing)).values())
 
         kept = [order[0]]
         best = await fixes(kept)
