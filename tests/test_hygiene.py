@@ -332,6 +332,9 @@ def test_padding_after_a_formula_name_is_no_lesson_and_a_rule_after_one_is_kept(
         # in" say nothing about what to compute.
         "When using the Dividend Discount Model (DDM), it is important to correctly format the "
         "formula and plug in the correct values.",
+        # 2026-12-06 (the fifteenth run's combee playbook): the steps a formula outlines.
+        "When calculating NPV, it is important to use the correct formula and to follow the "
+        "steps outlined in the formula.",
     ]
     rules = [
         "When using the Sortino Ratio, subtract R_f from R_p, do not divide R_p by R_f.",

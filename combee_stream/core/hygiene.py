@@ -118,6 +118,9 @@ GENERIC: Final = frozenset(
     # run's combee playbook, 2026-12-06): the format of a formula and plugging values in are
     # what any agent does, not a rule.
     + "format formatted formatting plug plugged plugging".split()
+    # "follow the steps outlined in the formula" (an NPV bullet of the fifteenth run's combee
+    # playbook, 2026-12-06): the steps a formula describes are the formula.
+    + "outlined outline outlines described describes specified".split()
 )
 # The default content policy: what no bullet may carry, whatever the deployment adds. Each is
 # something an attacker with write access to the traces topic would put in a bullet, and none
