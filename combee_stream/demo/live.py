@@ -18,11 +18,12 @@ carried the formula. The traces of a run that ended 0 of 20 (seed 656269, 2026-1
 again offline with the same settings (batch 8, one memo of LLM replies for both): without the
 check 0 of 20 again; with it 6 of 20 (+30 points, +8 to +52): it left out the vague CAPM bullet
 (0 of 4 fixed) and an operating-income one (0 of 3), and kept "use the formula E(Ri) = Rf + βi *
-(ERm - Rf) with the rates as decimal fractions" (2 of 4). Of the demo's own three runs with it,
+(ERm - Rf) with the rates as decimal fractions" (2 of 4). Of the demo's own four runs with it,
 two (that seed, and 905637) refused every bullet their curators wrote, mostly that CAPM rule
-without its formula, and ended 0 of 20 with an empty playbook; the third (188646) refused it in
-window 1, kept the formula rule of window 2 and ended 4 of 20 (+20). It serves nothing useless;
-it cannot make the curator write a rule the agent follows (docs/demo-runs.md).
+without its formula, and ended 0 of 20 with an empty playbook; two (188646, 699482) refused a
+vague rule, kept the CAPM formula rule and ended 4 of 20 (+20). It serves nothing useless; it
+cannot make the curator write a rule the agent follows, and this agent follows a worked example
+far more often than a rule (docs/demo-runs.md).
 """
 
 from __future__ import annotations
