@@ -105,7 +105,7 @@ class LessonGate:
         parent = render(candidate.parent)
         prompts = {b: render(without(candidate.playbook, set(new) - {b})) for b in plan}
         limiter = anyio.CapacityLimiter(self._config.concurrency)
-        after: dict[tuple[str, str], float] = {}
+        after: dict[str, dict[str, float]] = {}  # bullet -> its score on each task tried
 
         async def score(prompt: str, task: HeldOutTask) -> float:
             async with limiter:
@@ -124,8 +124,9 @@ class LessonGate:
                     tg.start_soon(one, task)
             return found
 
-        async def under_bullet(bullet_id: str, task: HeldOutTask) -> None:
-            after[bullet_id, task.trace_id] = await score(prompts[bullet_id], task)
+        async def under_bullet(bullet_id: str) -> None:
+            tasks = [t for t in plan[bullet_id] if before[t.trace_id] < 1.0]
+            after[bullet_id] = await scores(prompts[bullet_id], tasks)
 
         distinct = {t.trace_id: t for tasks in plan.values() for t in tasks}
         failure: list[BaseException] = []
@@ -133,10 +134,8 @@ class LessonGate:
         try:
             before = await scores(parent, distinct.values())
             async with anyio.create_task_group() as tg:
-                for bullet_id, tasks in plan.items():
-                    for task in tasks:
-                        if before[task.trace_id] < 1.0:
-                            tg.start_soon(under_bullet, bullet_id, task)
+                for bullet_id in plan:
+                    tg.start_soon(under_bullet, bullet_id)
         except* LLMCallError as group:
             failure.extend(group.exceptions)
         if failure:
@@ -144,8 +143,8 @@ class LessonGate:
         # Only the tasks the parent still fails test a bullet: one it answers right already
         # (the trace's failure was the agent's chance, or came under an older version) cannot
         # show a fix.
-        tried = {b: [t for t in tasks if (b, t.trace_id) in after] for b, tasks in plan.items()}
-        fixed = {b: [t for t in tried[b] if after[b, t.trace_id] >= 1.0] for b in plan}
+        tried = {b: [t for t in tasks if t.trace_id in after[b]] for b, tasks in plan.items()}
+        fixed = {b: [t for t in tried[b] if after[b][t.trace_id] >= 1.0] for b in plan}
         blame = [b for b in plan if tried[b] and not fixed[b]]
         failing = [t for t in distinct.values() if before[t.trace_id] < 1.0]
         n = len(distinct)
