@@ -288,6 +288,10 @@ class GateReport(Struct, frozen=True, forbid_unknown_fields=True):
     # The whole candidate was refused and ``pruned`` is its other part: earlier windows'
     # waiting lessons and this window's reviewed apart, this report of the part kept.
     split: bool = False
+    # The gate whose blame left ``pruned`` out: in a chain, the report is of the second look
+    # (say the replay gate's) while the blame may be the lesson check's. "" in versions
+    # published before it was recorded.
+    pruned_by: str = ""
 
     def left_out(self) -> str:
         """What the review left out, in a few words ("" when nothing)."""
@@ -297,7 +301,8 @@ class GateReport(Struct, frozen=True, forbid_unknown_fields=True):
             return f"left out {len(self.pruned)} new bullet(s) of one part (the whole was refused)"
         # (blamed by the replay gate for wrong answers, or by the lesson check for fixing none
         # of the failures they came from)
-        return f"left out {len(self.pruned)} new bullet(s) the gate blamed"
+        by = f"the {self.pruned_by} gate" if self.pruned_by else "the gate"
+        return f"left out {len(self.pruned)} new bullet(s) {by} blamed"
 
 
 class Consolidation(Struct, frozen=True, forbid_unknown_fields=True):

@@ -161,7 +161,24 @@ def test_a_blame_of_every_new_bullet_is_still_reported() -> None:
     assert gate.shown == [["vague rule"], []]
     assert result.rejection is None and bullets(result.playbook) == []
     assert result.report is not None and result.report.pruned == blamed.added
-    assert result.report.left_out() == "left out 1 new bullet(s) the gate blamed"
+    assert result.report.left_out() == "left out 1 new bullet(s) the lessons gate blamed"
+
+
+def test_the_report_of_the_second_look_names_the_gate_whose_blame_left_bullets_out() -> None:
+    """In a chain the lesson check blames and the replay gate reviews the rest: the version
+    carries the replay gate's measurement, and the blame is the lesson check's, not its."""
+    blamed = apply(new_playbook(KEY), proposal("vague rule", "good rule").delta, token_budget=None)
+    found = GateReport(gate="lessons", accepted=True, n=2, current=0.0, candidate=0.5, lower=0)
+    replayed = GateReport(gate="replay", accepted=True, n=20, current=0.4, candidate=0.5, lower=0)
+    gate = Recording(
+        Verdict(accepted=False, blame=[blamed.added[0]], report=found),
+        Verdict(accepted=True, report=replayed),
+    )
+    result = run(["vague rule", "good rule"], gate)
+    assert gate.shown == [["vague rule", "good rule"], ["good rule"]]
+    assert result.report is not None and result.report.gate == "replay"
+    assert result.report.pruned == [blamed.added[0]] and result.report.pruned_by == "lessons"
+    assert result.report.left_out() == "left out 1 new bullet(s) the lessons gate blamed"
 
 
 def test_what_the_blame_leaves_waits_when_the_second_review_cannot_judge_yet() -> None:

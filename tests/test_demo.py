@@ -17,9 +17,9 @@ def test_the_note_says_which_gate_measured_what() -> None:
     # parent, 3 under the candidate, so its bullets fixed 2; one bullet that fixed none is out.
     lessons = GateReport(
         gate="lessons", accepted=True, n=4, current=0.25, candidate=0.75, lower=0,
-        pruned=["calc-00002"],
+        pruned=["calc-00002"], pruned_by="lessons",
     )  # fmt: skip
     assert gate_note(update(UpdateStats(gate=lessons))) == (
-        "; lesson check: 2 of 4 failures fixed, left out 1 new bullet(s) the gate blamed"
+        "; lesson check: 2 of 4 failures fixed, left out 1 new bullet(s) the lessons gate blamed"
     )
     assert gate_note(update(UpdateStats(held_out=["t1", "t2"]))) == ", 2 held out"

@@ -279,7 +279,8 @@ class Commit:
         if verdict.deferred:
             return self._deferred(result, verdict)
         if verdict.blame:
-            pruned, second = await self._reviewed_without(result, verdict.blame)
+            by = verdict.report.gate if verdict.report is not None else self._gate.name
+            pruned, second = await self._reviewed_without(result, verdict.blame, by=by)
             if second.deferred:
                 # A gate chain's first gate blamed bullets and the next cannot judge yet: the
                 # rest waits, as an unblamed window's would.
@@ -325,7 +326,9 @@ class Commit:
         if not own or not earlier:
             return result, verdict
         for left_out in (own, earlier):
-            part, second = await self._reviewed_without(result, sorted(left_out), split=True)
+            part, second = await self._reviewed_without(
+                result, sorted(left_out), split=True, by=self._gate.name
+            )
             if second.accepted:
                 log.info("gate passed a part of the refused candidate", key=self._onto.key,
                          left_out=len(left_out), kept=len(new) - len(left_out))  # fmt: skip
@@ -333,7 +336,7 @@ class Commit:
         return result, verdict
 
     async def _reviewed_without(
-        self, result: ApplyResult, left_out: list[str], *, split: bool = False
+        self, result: ApplyResult, left_out: list[str], *, by: str, split: bool = False
     ) -> tuple[ApplyResult, Verdict]:
         """The gate's review of ``result`` without the bullets ``left_out`` (the blame-prune's
         and the split's second look): passed, the narrowed result, its report naming what was
@@ -349,7 +352,9 @@ class Commit:
         # version still says which bullets the gate kept from its agents.
         report = verdict.report or self._report
         if report is not None:
-            self._report = msgspec.structs.replace(report, pruned=left_out, split=split)
+            self._report = msgspec.structs.replace(
+                report, pruned=left_out, split=split, pruned_by=by
+            )
         return narrowed_to(result, part), verdict
 
     def _fallen_back(self, result: ApplyResult, applied_delta: Delta) -> tuple[ApplyResult, Delta]:
