@@ -375,3 +375,16 @@ def test_render_for_agents_omits_empty_sections_but_roles_see_them() -> None:
     assert pb.render(book) == "Be brief.\n"
     for_roles = pb.render(book, empty_sections=True)
     assert all(f"## {name}" in for_roles for name in pb.DEFAULT_SECTIONS)
+
+
+def test_one_formula_detector_reads_operators_calls_and_percentages_not_list_marks() -> None:
+    # The shapes a small model writes a rule in (issue 17's failures): percentages around an
+    # operator, a call, a product with ×; and what is no formula: hyphenated words, a list mark.
+    assert pb.formula_terms("(7% - 1.5%) / 8%") == ["7 - 1", "5 / 8"]
+    assert pb.formula_terms("Interest = P × r × t") == ["interest = p", "r * t"]
+    assert pb.formula_terms("use round(x, 2) for the answer") == ["round"]
+    assert not pb.has_formula("the debt-to-equity ratio, +5 points")
+    assert not pb.has_formula("Check these:\n- the units\n- the rounding")
+    # The duplicate check reads the same detector as the review.
+    assert not pb.says_more("Check these:\n- the units", "check the units")
+    assert pb.says_more("When using CAPM, E(R) = Rf + beta * (Rm - Rf).", "use the CAPM formula")

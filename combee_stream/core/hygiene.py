@@ -84,7 +84,14 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Final
 
-from combee_stream.core.playbook import SkippedOp, SkipReason, advice, has_formula, normalize
+from combee_stream.core.playbook import (
+    SkippedOp,
+    SkipReason,
+    advice,
+    formula_terms,
+    has_formula,
+    normalize,
+)
 from combee_stream.schemas import AddOp, Delta, Playbook, RemoveOp, UpdateOp
 
 NEAR_DUPLICATE_WORDS: Final = 2
@@ -153,9 +160,6 @@ _MARKUP = re.compile(rf"\b{_BULLET_ID}\]|\b(?:helpful|harmful)\s*=\s*\d")
 _RENDERED_PREFIX = re.compile(
     rf"^\s*\[{_BULLET_ID}\]\s*(?:helpful\s*=\s*\d+\s+harmful\s*=\s*\d+\s*::\s*)?"
 )
-# A formula's pieces: an operator with the word on each side, and function calls.
-_OPERATOR_TERM = re.compile(r"[\w)]+\s*[*/=^]\s*[\w(]+|[\w)]+\s+[-+]\s+[\w(]+")
-_CALL = re.compile(r"\b[a-z_]\w*\(")
 # "... should be A, not B" / "... is A, not B", within one clause (no sentence break in A).
 _NOT_X = re.compile(
     r"(?:should be|must be|is|are|use|uses)\s+([^.;:]{3,200}?),\s*"
@@ -198,7 +202,7 @@ def teaches_nothing(text: str) -> bool:
     def generic(sentence: str) -> bool:
         rest = advice(sentence)
         situation = sentence[: len(sentence) - len(rest)]
-        return not _operator_terms(situation) and all(w in GENERIC for w in content_words(rest))
+        return not formula_terms(situation) and all(w in GENERIC for w in content_words(rest))
 
     return all(generic(sentence) for sentence in _SENTENCE_END.split(text.strip()))
 
@@ -342,25 +346,15 @@ def as_rule(text: str, bound: int) -> str:
     return without_narration(without_cut_sentence(text, bound))
 
 
-def _operator_terms(text: str) -> list[str]:
-    """The formula of a text as the operator and a word on each side of it (``ratio = current``,
-    ``assets / current``), and its function calls (``ceil(``), lower case, ``×`` as ``*``."""
-    flat = " ".join(unicodedata.normalize("NFKC", text).lower().replace("×", "*").split())
-    flat = flat.replace("÷", "/")
-    terms = [m.group(0) for m in _OPERATOR_TERM.finditer(flat)]
-    terms += [m.group(0) for m in _CALL.finditer(flat)]
-    return [" ".join(re.sub(r"[^\w*/=^+-]", " ", t).split()) for t in terms]
-
-
 def copies_formula(text: str, task: str) -> bool:
     """Whether every piece of the bullet's formula is already in ``task``: a lesson that only
     repeats the formula its task states (ACE's Formula tasks give it: "Formula: Current Ratio
     = Current Assets / Current Liabilities") teaches the agent nothing it was not told."""
-    terms = _operator_terms(text)
+    terms = formula_terms(text)
     if not terms:
         return False
     known = (
-        " ".join(_operator_terms(task))
+        " ".join(formula_terms(task))
         + " "
         + " ".join(
             re.sub(

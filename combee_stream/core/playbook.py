@@ -287,12 +287,28 @@ def cosine(a: Sequence[float], b: Sequence[float]) -> float:
     return dot / (na * nb) if na and nb else 0.0
 
 
-# An operator between two terms, or a function call: the text states a formula or a rule.
-_FORMULA = re.compile(r"[\w)\]]\s*[*/=×÷^]\s*[\w(]|\s[-+]\s[\w(]|\b[a-zA-Z_]\w*\(")
+# A formula's pieces: an operator with the word on each side (``-`` and ``+`` with spaces
+# around them, so "debt-to-equity" and "+5" are words; within a line, so a list's "- " mark
+# is none), and function calls.
+_OPERATOR_TERM = re.compile(r"[\w)\]%]+ ?[*/=^] ?[\w(]+|[\w)\]%]+ [-+] [\w(]+")
+_CALL = re.compile(r"\b[a-z_]\w*\(")
+
+
+def formula_terms(text: str) -> list[str]:
+    """The formula a text states, as the operator and a word on each side of it (``ratio =
+    current``, ``assets / current``) and the names of its function calls (``ceil``): lower
+    case, ``×`` as ``*`` and ``÷`` as ``/``, other marks dropped; empty when it states none.
+    The one formula detector: the duplicate check (``says_more``) and the review (``hygiene``)
+    both read it."""
+    flat = re.sub(r"[^\S\n]+", " ", unicodedata.normalize("NFKC", text).lower())
+    flat = flat.replace("×", "*").replace("÷", "/")
+    terms = [m.group(0) for m in _OPERATOR_TERM.finditer(flat)]
+    terms += [m.group(0) for m in _CALL.finditer(flat)]
+    return [" ".join(re.sub(r"[^\w*/=^+-]", " ", t).split()) for t in terms]
 
 
 def has_formula(text: str) -> bool:
-    return _FORMULA.search(text) is not None
+    return bool(formula_terms(text))
 
 
 def says_more(text: str, than: str) -> bool:
@@ -589,6 +605,7 @@ __all__ = [
     "dedup",
     "embed_each",
     "find_bullet",
+    "formula_terms",
     "has_formula",
     "near_duplicate_adds",
     "new_playbook",
