@@ -31,7 +31,7 @@ Anything that cannot become a trace is a rejection (dead-lettered by the stage),
   (``no_feedback``).
 
 Offsets: a message is *pending* while any trace it contributed to is open; its offset is done
-when the last of them is written or rejected (``engine.offsets.PartitionOffsets`` gives the
+when the last of them is written or rejected (``kafka.offsets.PartitionOffsets`` gives the
 committable low watermark per partition). Every decision (written, or rejected as
 ``no_root``, ``span_flood``, ...) is a :class:`TraceMark` on the state topic, in the
 transaction of the trace or its dead letter, with the highest offset of each partition the
