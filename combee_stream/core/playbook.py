@@ -289,9 +289,13 @@ def cosine(a: Sequence[float], b: Sequence[float]) -> float:
 
 # A formula's pieces: an operator with the word on each side (``-`` and ``+`` with spaces
 # around them, so "debt-to-equity" and "+5" are words; within a line, so a list's "- " mark
-# is none), and function calls.
-_OPERATOR_TERM = re.compile(r"[\w)\]%]+ ?[*/=^] ?[\w(]+|[\w)\]%]+ [-+] [\w(]+")
+# is none), and function calls. The word before an operator is bounded: unbounded, a long run
+# of word characters costs quadratic time (each of its positions tries the whole run), and a
+# version's texts may be megabytes.
+_OPERATOR_TERM = re.compile(r"[\w)\]%]{1,64} ?[*/=^] ?[\w(]+|[\w)\]%]{1,64} [-+] [\w(]+")
 _CALL = re.compile(r"\b[a-z_]\w*\(")
+# Any operator or call at all: most texts have none and skip the scan for terms.
+_ANY_OPERATOR = re.compile(r"[*/=^×÷(]| [-+] ")
 
 
 def formula_terms(text: str) -> list[str]:
@@ -301,6 +305,8 @@ def formula_terms(text: str) -> list[str]:
     The one formula detector: the duplicate check (``says_more``) and the review (``hygiene``)
     both read it."""
     flat = re.sub(r"[^\S\n]+", " ", unicodedata.normalize("NFKC", text).lower())
+    if not _ANY_OPERATOR.search(flat):
+        return []
     flat = flat.replace("×", "*").replace("÷", "/")
     terms = [m.group(0) for m in _OPERATOR_TERM.finditer(flat)]
     terms += [m.group(0) for m in _CALL.finditer(flat)]
