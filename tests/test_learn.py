@@ -591,6 +591,7 @@ def test_packaged_prompts_carry_the_contract_blocks() -> None:
         (prompts.reflector, ("bullets_used", "trace")),
         (prompts.curator, ("playbook", "reflections")),
         (prompts.combiner, ("playbook", "partial_updates")),
+        (prompts.exemplifier, ("lesson", "failed_trace")),
     ):
         lines = template.user.splitlines()
         for tag in tags:
