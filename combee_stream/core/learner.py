@@ -81,6 +81,7 @@ from combee_stream.core.hygiene import (
     carries_markup,
     compile_policy,
     content_words,
+    quotes,
     review_adds,
     review_edits,
     violates,
@@ -714,13 +715,15 @@ class Learner:
         content, the trace id its example came from. An ADD keeps its rule alone when the group
         has no failed trace with a reference answer, when the call fails, or when the example
         is empty, cut by the reply's length bound, longer than ``max_bullet_chars`` allows, or
-        breaks the content policy or carries playbook markup (its task is untrusted text)."""
+        breaks the content policy, carries playbook markup or forwards what a trace only quoted
+        (its task is untrusted text): the review would refuse the bullet whole."""
         failures = [rec for rec in group if rec.trace]
         out = list(operations)
         shown: dict[str, str] = {}
         if not failures:
             return out, shown
         bound = self._bounds.get("curator", 0)
+        quoted = [span for rec in group for span in rec.quoted]
 
         async def one(i: int, op: AddOp) -> None:
             words = set(content_words(op.content))
@@ -745,6 +748,7 @@ class Learner:
                 # The review would refuse the whole bullet; the rule alone may still pass.
                 or violates(example, self._policy)
                 or carries_markup(example)
+                or quotes(example, quoted)
             ):
                 return
             out[i] = msgspec.structs.replace(op, content=content)

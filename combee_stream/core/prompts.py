@@ -1,5 +1,5 @@
-"""The reflector, curator, combiner and consolidator prompts, in one place, versioned and
-overridable.
+"""The reflector, curator, combiner, consolidator and exemplifier prompts, in one place,
+versioned and overridable.
 
 The wording lives in
 ``combee_stream/core/prompts/{reflector,curator,combiner,consolidator,exemplifier}.md``
@@ -92,9 +92,9 @@ class ReflectionRecord(Struct, frozen=True):
     # Whether its trace may have failed (its feedback does not say it passed): a new bullet's
     # lesson check (evaluation/lessons.py) retries such tasks with the bullet. Not rendered.
     failed: bool = False
-    # The trace as the reflector read it, kept only for a failed trace with a reference answer
-    # when the learner writes worked examples (learning.worked_examples): the exemplifier's
-    # input. Not rendered for the curators.
+    # The failed trace as the exemplifier reads it (render_failure), kept only for a trace that
+    # may have failed and has a reference answer, when the learner writes worked examples
+    # (learning.worked_examples). Not rendered for the curators.
     trace: str = ""
 
     @classmethod
@@ -219,7 +219,8 @@ def render_failure(trace: Trace) -> str:
     lines = [f"task: {fence(trace.task)}"]
     calls = [step.content for step in trace.steps if step.kind == "tool_call"]
     if calls:
-        lines.append("the agent's calculation: " + " | ".join(fence(c) for c in calls))
+        joined = " | ".join(fence(c) for c in calls)
+        lines.append(f"the agent's calculation: {_cut(joined, STEPS_CHARS)}")
     elif trace.output:
         lines.append(f"the agent's answer: {fence(trace.output)}")
     lines.append(f"feedback: {fence(trace.feedback.text or '')}")
