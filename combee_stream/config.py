@@ -232,6 +232,20 @@ class LearningConfig(_Section):
     # such advice, at most 0.74 between different rules. Needs llm.embeddings; 0 = off
     # (consolidation only near the budget).
     merge_similar: Annotated[float, Meta(ge=0, le=1)] = 0.0
+    # Each new bullet a curator writes from a window with a failed trace (one with a reference
+    # answer) gets a worked example: one more call to the curator's endpoint, shown the bullet
+    # and one such trace, writes the expression the agent should have written and the one it
+    # wrote ("for 35.3 million and 22.3 million, write (35.3 - 22.3) * 1000000, not 35.3 -
+    # 22.3"), appended after "Example:". A small agent follows examples where it ignores rules:
+    # the real-model demo's 1.5B agent answered 4 of 20 held-out tasks with its curators' two
+    # rules and 16 with the same rules each ending in one such example (docs/demo-runs.md).
+    # The example carries that training task's numbers (a 1.5B model asked for numbers of its
+    # own copies the task's), so a task's data reaches every agent of the key: off by default,
+    # and for keys whose tasks carry nothing private. The review judges the rule before
+    # "Example:" (an example is an instance by design); the whole text meets the content
+    # policy and the length bound; the lesson check does not retry the task an example came
+    # from (the example is its answer).
+    worked_examples: bool = False
     # A proposed bullet longer than this is refused (skipped as too_long): a lesson is a rule,
     # not a document, and one trace must not fill the prompt of every agent of its key.
     max_bullet_chars: Positive = 2000

@@ -19,7 +19,7 @@ from combee_stream.config import Config, required_secret
 from combee_stream.core.gate import AcceptAll, GateChain, PublishGate
 from combee_stream.core.holdout import HoldoutPolicy
 from combee_stream.core.learner import Learner, required_roles
-from combee_stream.core.prompts import PromptRole, Prompts, Template, parse_template
+from combee_stream.core.prompts import PROMPT_ROLES, PromptRole, Prompts, Template, parse_template
 from combee_stream.engine import engine
 from combee_stream.errors import UserError
 from combee_stream.evaluation.lessons import LessonGate
@@ -37,8 +37,7 @@ def load_prompts(prompts_dir: str | Path = "") -> Prompts:
         raise UserError(f"prompts_dir {folder} is not a folder")
     packaged = resources.files("combee_stream.core").joinpath("prompts")
     loaded: dict[PromptRole, Template] = {}
-    roles: tuple[PromptRole, ...] = ("reflector", "curator", "combiner", "consolidator")
-    for role in roles:
+    for role in PROMPT_ROLES:
         override = folder / f"{role}.md" if folder is not None else None
         if override is not None and override.is_file():
             loaded[role] = parse_template(role, override.read_text(), str(override))
@@ -50,6 +49,7 @@ def load_prompts(prompts_dir: str | Path = "") -> Prompts:
         curator=loaded["curator"],
         combiner=loaded["combiner"],
         consolidator=loaded["consolidator"],
+        exemplifier=loaded["exemplifier"],
     )
 
 

@@ -591,11 +591,14 @@ def test_packaged_prompts_carry_the_contract_blocks() -> None:
         (prompts.reflector, ("bullets_used", "trace")),
         (prompts.curator, ("playbook", "reflections")),
         (prompts.combiner, ("playbook", "partial_updates")),
+        (prompts.exemplifier, ("lesson", "failed_trace")),
     ):
         lines = template.user.splitlines()
         for tag in tags:
             assert f"<{tag}>" in lines and f"</{tag}>" in lines
-        assert template.system
+        # The exemplifier's is one user message, the wording a 1.5B model answered with the
+        # two calculations asked for (core/outputs.py WorkedExample).
+        assert bool(template.system) is (template is not prompts.exemplifier)
     # The reflector sees the bullets the trace cited, not the playbook (as in ACE).
     assert "<playbook>" not in prompts.reflector.user
 

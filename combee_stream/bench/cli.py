@@ -107,6 +107,12 @@ def register(subparsers: Any) -> None:
         "was learned from, and left out when it fixes none (default: off)",
     )
     q.add_argument(
+        "--worked-examples",
+        action="store_true",
+        help="learning.worked_examples: each new bullet learned from a failed training trace "
+        "ends with that trace's worked example (default: off)",
+    )
+    q.add_argument(
         "--reflect-successes",
         choices=("all", "cited", "none"),
         default="cited",
@@ -227,6 +233,7 @@ async def _quality(config: Config, args: argparse.Namespace, quick: bool) -> qua
         sequential_n=args.sequential_n,
         gate=not args.no_gate,
         check_lessons=args.check_lessons,
+        worked_examples=args.worked_examples,
         reflect_successes=args.reflect_successes,
         merge_similar=args.merge_similar,
         combine=args.combine,
@@ -245,6 +252,7 @@ async def _quality(config: Config, args: argparse.Namespace, quick: bool) -> qua
             merge_similar=args.merge_similar,
             combine=args.combine,
             seed=args.seed,
+            worked_examples=args.worked_examples,
         ),
     )
     if settings.gate:

@@ -81,6 +81,7 @@ class QualitySettings(Struct, kw_only=True):
     sequential_n: int = 0  # sequential learns from this prefix of the stream (0: all of it)
     gate: bool = True  # the replay gate reviews every candidate
     check_lessons: bool = False  # gate.check_lessons: new bullets retried on their failures
+    worked_examples: bool = False  # learning.worked_examples: new bullets end with an example
     reflect_successes: str = "all"  # learning.reflect_successes of the learners
     merge_similar: float = 0.0  # learning.merge_similar of the learners
     combine: str = "union"  # learning.combine of combee (naive has one group, nothing to combine)
@@ -592,6 +593,12 @@ def _notes(s: QualitySettings, capacity: Capacity, gate: GateConfig) -> list[str
             f" Lesson check on: each new bullet retried on up to {gate.lesson_tasks} of the "
             "failed training tasks it was learned from, left out when it fixed none."
             if s.check_lessons
+            else ""
+        )
+        + (
+            " Worked examples on: each new bullet learned from a failed training trace ends "
+            "with that trace's worked example (learning.worked_examples)."
+            if s.worked_examples
             else ""
         ),
         f"Endpoints: {endpoints}." if endpoints else "",

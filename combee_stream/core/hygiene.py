@@ -182,6 +182,14 @@ _NARRATION = re.compile(
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(\"'`])")
 # An UPDATE keeps a bullet's meaning when it keeps this share of its content words.
 KEPT_MEANING: Final = 0.7
+# What the learner appends a worked example after (``learning.worked_examples``).
+EXAMPLE_MARK: Final = " Example: "
+
+
+def rule_of(text: str) -> str:
+    """A bullet's rule: its text before a worked example (all of it when it has none)."""
+    head, mark, _ = text.partition(EXAMPLE_MARK)
+    return head if mark else text
 
 
 def content_words(text: str) -> list[str]:
@@ -405,14 +413,18 @@ def review_adds(
     policy: Sequence[re.Pattern[str]] = (),
     own_tasks: Mapping[str, Sequence[str]] | None = None,
     quoted: Sequence[str] = (),
+    examples: bool = False,
 ) -> dict[int, SkipReason]:
     """Index (among the delta's ADDs) -> why it is rejected, for the ADDs that are.
     ``own_tasks``: normalised content -> the tasks of the curator groups that proposed it;
-    an ADD not in it is compared with all of ``tasks``."""
+    an ADD not in it is compared with all of ``tasks``. ``examples`` (the learner writes worked
+    examples): the checks of what a rule says read the text before ``EXAMPLE_MARK`` (an
+    example restates its task by design); the whole text meets the length bound, the policy,
+    the markup and quoting checks, and the exact-duplicate one."""
     adds = [op for op in delta.operations if isinstance(op, AddOp)]
     existing = [b.content for s in playbook.sections for b in s.bullets]
     exact = {normalize(text) for text in existing}
-    kept = [frozenset(content_words(text)) for text in existing]
+    kept = [frozenset(content_words(rule_of(t) if examples else t)) for t in existing]
     rejected: dict[int, SkipReason] = {}
     for i, add in enumerate(adds):
         problem = _text_problem(add.content, max_chars, policy, quoted)
@@ -420,15 +432,16 @@ def review_adds(
             rejected[i] = problem
             continue
         norm = normalize(add.content)
-        words = content_words(add.content)
-        if len(words) < MIN_WORDS or teaches_nothing(add.content):
+        rule = rule_of(add.content) if examples else add.content
+        words = content_words(rule)
+        if len(words) < MIN_WORDS or teaches_nothing(rule):
             rejected[i] = "no_lesson"
             continue
-        if contradicts_itself(add.content):
+        if contradicts_itself(rule):
             rejected[i] = "contradicts_itself"
             continue
         sources = (own_tasks or {}).get(norm, tasks)
-        if any(restates(add.content, task) for task in sources):
+        if any(restates(rule, task) for task in sources):
             rejected[i] = "restates_task"
             continue
         if norm in exact:
@@ -473,6 +486,7 @@ def review_edits(
 
 __all__ = [
     "DEFAULT_POLICY",
+    "EXAMPLE_MARK",
     "GENERIC",
     "KEPT_MEANING",
     "MIN_WORDS",
@@ -494,6 +508,7 @@ __all__ = [
     "restates",
     "review_adds",
     "review_edits",
+    "rule_of",
     "violates",
     "without_cut_sentence",
     "without_narration",

@@ -64,7 +64,7 @@ import hashlib
 import random
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol, TypeVar
+from typing import Final, Protocol, TypeVar
 
 import anyio
 import msgspec
@@ -76,8 +76,12 @@ from combee_stream.core.gate import AcceptAll, PublishGate
 from combee_stream.core.holdout import HoldoutPolicy
 from combee_stream.core.hygiene import (
     DEFAULT_POLICY,
+    EXAMPLE_MARK,
     as_rule,
+    carries_markup,
     compile_policy,
+    content_words,
+    quotes,
     review_adds,
     review_edits,
     violates,
@@ -88,6 +92,7 @@ from combee_stream.core.outputs import (
     CuratorOutput,
     ReflectorOutput,
     ReflectorOutputNoTags,
+    WorkedExample,
 )
 from combee_stream.core.playbook import (
     MAX_BULLET_SOURCES,
@@ -99,16 +104,19 @@ from combee_stream.core.playbook import (
     apply_semantic,
     cosine,
     covered_lessons,
+    has_formula,
     normalize,
     playbook_tokens,
     similar_groups,
 )
 from combee_stream.core.prompts import (
+    PromptRole,
     Prompts,
     ReflectionRecord,
     combiner_messages,
     consolidator_messages,
     curator_messages,
+    exemplifier_messages,
     reflector_messages,
 )
 from combee_stream.core.results import (
@@ -313,7 +321,7 @@ class Learner:
             key_insight=as_rule(out.key_insight, self._bounds.get("reflector", 0)),
             bullet_tags=tags,
         )
-        return ReflectionRecord.of(trace, reflection)
+        return ReflectionRecord.of(trace, reflection, keep_trace=self._config.worked_examples)
 
     def _unread(self, trace: Trace) -> bool:
         """A success the reflector does not read (``learning.reflect_successes``)."""
@@ -405,13 +413,19 @@ class Learner:
             finally:
                 warmed.set()
             operations = tidied(out.operations, self._bounds.get("curator", 0))
+            if self._config.worked_examples:
+                operations, shown = await self._exemplified(operations, group, stats)
+            else:
+                shown = {}
             group_tasks = [rec.reviewed for rec in group if rec.task]
             group_traces = [rec.reflection.source.trace_id for rec in group]
             for op in operations:
                 if isinstance(op, AddOp):
                     norm = normalize(op.content)
                     add_tasks.setdefault(norm, []).extend(group_tasks)
-                    add_traces.setdefault(norm, []).extend(group_traces)
+                    # The lesson check does not retry the task an example answers.
+                    traces = [t for t in group_traces if t != shown.get(norm)]
+                    add_traces.setdefault(norm, []).extend(traces)
             remove_votes.update({op.bullet_id for op in operations if isinstance(op, RemoveOp)})
             return Delta(
                 key=key,
@@ -595,19 +609,12 @@ class Learner:
 
         async def ask(n: int, section: Section) -> None:
             messages = consolidator_messages(self._prompts, section, limit)
-            stats.llm_calls += 1
-            stats.consolidator_calls += 1
             try:
-                completion = await self._llm.complete("curator", messages, ConsolidatorOutput)
+                proposals[n] = await self._call("consolidator", messages, ConsolidatorOutput, stats)
             except LLMCallError as exc:
                 log.warning(
                     "consolidation of a section failed", section=section.name, error=str(exc)
                 )
-                return
-            stats.cached_calls += int(completion.cached)
-            stats.tokens_in += completion.tokens_in
-            stats.tokens_out += completion.tokens_out
-            proposals[n] = completion.value
 
         async with anyio.create_task_group() as tg:
             for n, (_, section) in enumerate(shown):
@@ -670,7 +677,7 @@ class Learner:
         limit, policy = self._config.max_bullet_chars, self._policy
         rejected = review_adds(
             snapshot, delta, tasks, max_chars=limit, policy=policy, own_tasks=own_tasks,
-            quoted=quoted,
+            quoted=quoted, examples=self._config.worked_examples,
         )  # fmt: skip
         edits = review_edits(snapshot, delta, max_chars=limit, policy=policy, quoted=quoted)
         refused = [*refused, *edits]
@@ -700,16 +707,72 @@ class Learner:
         except LLMCallError as exc:
             raise WindowError(snapshot.key, f"embedding dedup: {exc}") from exc
 
+    async def _exemplified(
+        self, operations: list[Operation], group: Sequence[ReflectionRecord], stats: WindowStats
+    ) -> tuple[list[Operation], dict[str, str]]:
+        """The curator's ADDs, each with a worked example from the failed trace of its group
+        that shares most words with it (``learning.worked_examples``), and, per normalised new
+        content, the trace id its example came from. An ADD keeps its rule alone when the group
+        has no failed trace with a reference answer, when the call fails, or when the example
+        is empty, cut by the reply's length bound, longer than ``max_bullet_chars`` allows, or
+        breaks the content policy, carries playbook markup or forwards what a trace only quoted
+        (its task is untrusted text): the review would refuse the bullet whole."""
+        failures = [rec for rec in group if rec.trace]
+        out = list(operations)
+        shown: dict[str, str] = {}
+        if not failures:
+            return out, shown
+        bound = self._bounds.get("curator", 0)
+        quoted = [span for rec in group for span in rec.quoted]
+
+        async def one(i: int, op: AddOp) -> None:
+            words = set(content_words(op.content))
+            record = max(failures, key=lambda rec: len(words & set(content_words(rec.task))))
+            messages = exemplifier_messages(self._prompts, op.content, record)
+            try:
+                reply = await self._call("exemplifier", messages, WorkedExample, stats)
+            except LLMCallError as exc:
+                log.warning("worked example failed", error=str(exc))
+                return
+            example = reply.text()
+            content = f"{op.content.rstrip()}{EXAMPLE_MARK}{example}"
+            # A field the grammar's bound stopped was cut mid-calculation.
+            cut = bound and max(len(reply.right), len(reply.wrong)) >= bound - 2
+            if (
+                cut
+                or normalize(reply.right) in _NO_LESSON
+                or not reply.wrong.strip()
+                # The agent's mistake was a calculation: a bare result shows nothing of it.
+                or (has_formula(reply.wrong) and not has_formula(reply.right))
+                or len(content) > self._config.max_bullet_chars
+                # The review would refuse the whole bullet; the rule alone may still pass.
+                or violates(example, self._policy)
+                or carries_markup(example)
+                or quotes(example, quoted)
+            ):
+                return
+            out[i] = msgspec.structs.replace(op, content=content)
+            shown[normalize(content)] = record.reflection.source.trace_id
+            stats.examples += 1
+
+        async with anyio.create_task_group() as tg:
+            for i, op in enumerate(operations):
+                if isinstance(op, AddOp):
+                    tg.start_soon(one, i, op)
+        return out, shown
+
     async def _call(
-        self, role: Role, messages: list[ChatMessage], output_type: type[T], stats: WindowStats
+        self,
+        kind: PromptRole,
+        messages: list[ChatMessage],
+        output_type: type[T],
+        stats: WindowStats,
     ) -> T:
+        """One call of the learner, counted by ``kind``; the consolidator and the exemplifier
+        are calls to the curator's endpoint."""
         stats.llm_calls += 1
-        if role == "reflector":
-            stats.reflector_calls += 1
-        elif role == "curator":
-            stats.curator_calls += 1
-        else:
-            stats.combiner_calls += 1
+        setattr(stats, _CALLS[kind], getattr(stats, _CALLS[kind]) + 1)
+        role: Role = kind if kind in ("reflector", "curator", "combiner") else "curator"
         completion = await self._llm.complete(role, messages, output_type)
         stats.cached_calls += int(completion.cached)
         stats.tokens_in += completion.tokens_in
@@ -739,6 +802,14 @@ def tidied(operations: Sequence[Operation], bound: int) -> list[Operation]:
 # MiniLM scores rewordings of one rule 0.6-0.9, different rules below 0.35.
 MERGE_COSINE = 0.5
 _NO_LESSON = frozenset({"", "none", "n a", "no lesson", "nothing"})
+# The WindowStats counter of each kind of learner call.
+_CALLS: Final[dict[PromptRole, str]] = {
+    "reflector": "reflector_calls",
+    "curator": "curator_calls",
+    "combiner": "combiner_calls",
+    "consolidator": "consolidator_calls",
+    "exemplifier": "example_calls",
+}
 
 
 def teaches(reflection: Reflection) -> bool:

@@ -7,6 +7,8 @@ reflector's diagnosis fields already are its reasoning, written before its key i
 
 from __future__ import annotations
 
+import re
+
 from msgspec import Struct
 
 from combee_stream.schemas import BulletTag, Operation
@@ -51,6 +53,27 @@ class ConsolidatorOutput(Struct, forbid_unknown_fields=False):
     merges: list[Merge] = []
 
 
+_RESULT = re.compile(r"\s*=\s*-?[\d.,]+\s*$")
+
+
+class WorkedExample(Struct, forbid_unknown_fields=False):
+    """One worked example of a new bullet, from a failed trace it came from
+    (``learning.worked_examples``)."""
+
+    # Two fields, not one sentence: asked for "for <inputs>, write <calculation>, not <its
+    # calculation>", a 1.5B model wrote the results ("write 13000000, not 13") or copied the
+    # placeholders; asked for its own calculation first and then the reference solution's, it
+    # gave both on 10 of 10 failed demo traces (and 8 of 10 in a looser wording, the other two
+    # a result: the learner drops an example whose calculation is a bare result).
+    wrong: str  # what it wrote (asked first: copying it, the model then writes the other)
+    right: str  # what the agent should have written (the reference solution's calculation)
+
+    def text(self) -> str:
+        """``write <right>, not <wrong>``, each without a trailing "= <its result>"."""
+        right, wrong = (_RESULT.sub("", " ".join(t.split())) for t in (self.right, self.wrong))
+        return f"write {right}, not {wrong}"
+
+
 ROLE_OUTPUTS: dict[str, type[Struct]] = {
     "reflector": ReflectorOutput,
     "curator": CuratorOutput,
@@ -65,4 +88,5 @@ __all__ = [
     "Merge",
     "ReflectorOutput",
     "ReflectorOutputNoTags",
+    "WorkedExample",
 ]

@@ -1,7 +1,8 @@
-"""The reflector, curator, combiner and consolidator prompts, in one place, versioned and
-overridable.
+"""The reflector, curator, combiner, consolidator and exemplifier prompts, in one place,
+versioned and overridable.
 
-The wording lives in ``combee_stream/core/prompts/{reflector,curator,combiner,consolidator}.md``
+The wording lives in
+``combee_stream/core/prompts/{reflector,curator,combiner,consolidator,exemplifier}.md``
 (package data). A template has a system part and a user part, split by the lines
 ``<!-- system -->`` and ``<!-- user -->`` (a file without them is all user message), and
 ``{placeholders}``:
@@ -10,6 +11,8 @@ The wording lives in ``combee_stream/core/prompts/{reflector,curator,combiner,co
 - curator: ``{playbook}``, ``{reflections}``, ``{progress}``, ``{stats}``, ``{token_budget}``
 - combiner: ``{playbook}``, ``{partial_updates}``, ``{token_budget}``
 - consolidator: ``{section}``, ``{section_bullets}`` (one section of a playbook near its budget)
+- exemplifier: ``{lesson}``, ``{trace}`` (a new bullet and a failed trace it came from, for its
+  worked example: ``learning.worked_examples``)
 
 Layout (prefix caching): every template is stable first and variable last: instructions and the
 answer format, then the playbook, then what changes per call (window lines, records, the trace).
@@ -42,6 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
+import msgspec
 from msgspec import Struct
 
 from combee_stream.core.fencing import fence
@@ -55,7 +59,10 @@ PROMPTS_VERSION: Final = "v1"
 TASK_CHARS: Final = 600
 STEPS_CHARS: Final = 20_000
 
-PromptRole = Literal["reflector", "curator", "combiner", "consolidator"]
+PromptRole = Literal["reflector", "curator", "combiner", "consolidator", "exemplifier"]
+PROMPT_ROLES: Final[tuple[PromptRole, ...]] = (
+    "reflector", "curator", "combiner", "consolidator", "exemplifier"
+)  # fmt: skip
 _SYSTEM_MARK: Final = "<!-- system -->"
 _USER_MARK: Final = "<!-- user -->"
 _PLACEHOLDER = re.compile(r"\{([a-z_]+)\}")
@@ -69,6 +76,7 @@ _REQUIRED: Final[dict[PromptRole, tuple[tuple[str, ...], tuple[str, ...]]]] = {
     ),
     "combiner": (("playbook", "partial_updates", "token_budget"), ("playbook", "partial_updates")),
     "consolidator": (("section", "section_bullets"), ("section_bullets",)),
+    "exemplifier": (("lesson", "trace"), ("lesson", "failed_trace")),
 }
 
 
@@ -84,13 +92,20 @@ class ReflectionRecord(Struct, frozen=True):
     # Whether its trace may have failed (its feedback does not say it passed): a new bullet's
     # lesson check (evaluation/lessons.py) retries such tasks with the bullet. Not rendered.
     failed: bool = False
+    # The failed trace as the exemplifier reads it (render_failure), kept only for a trace that
+    # may have failed and has a reference answer, when the learner writes worked examples
+    # (learning.worked_examples). Not rendered for the curators.
+    trace: str = ""
 
     @classmethod
-    def of(cls, trace: Trace, reflection: Reflection) -> ReflectionRecord:
+    def of(
+        cls, trace: Trace, reflection: Reflection, *, keep_trace: bool = False
+    ) -> ReflectionRecord:
         """The record of ``trace``'s reflection: its task, the spans its feedback quoted from
-        it, its reference answer."""
+        it, its reference answer (and, ``keep_trace``, the trace itself when it may have failed
+        and has a reference answer)."""
         feedback = trace.feedback
-        return cls(
+        record = cls(
             reflection=reflection,
             task=trace.task,
             quoted=tuple(quoted_spans(trace.task, feedback.text or "")),
@@ -98,6 +113,9 @@ class ReflectionRecord(Struct, frozen=True):
             failed=feedback.passed is not True
             and not (feedback.score is not None and feedback.score >= 1),
         )
+        if keep_trace and record.retry is not None:
+            record = msgspec.structs.replace(record, trace=render_failure(trace))
+        return record
 
     @property
     def retry(self) -> HeldOutTask | None:
@@ -137,6 +155,7 @@ class Prompts:
     curator: Template
     combiner: Template
     consolidator: Template
+    exemplifier: Template
     version: str = PROMPTS_VERSION
 
 
@@ -190,6 +209,21 @@ def render_trace(trace: Trace) -> str:
         lines.append(f"ground_truth: {fence(fb.ground_truth)}")
     if fb.text:
         lines.append(f"feedback: {fence(fb.text)}")
+    return "\n".join(lines)
+
+
+def render_failure(trace: Trace) -> str:
+    """A failed trace as the exemplifier reads it: the task, what the agent wrote (its tool
+    calls, its answer) and the feedback. Not the ground truth alone: shown it, a 1.5B model
+    gives the result where the calculation is asked for."""
+    lines = [f"task: {fence(trace.task)}"]
+    calls = [step.content for step in trace.steps if step.kind == "tool_call"]
+    if calls:
+        joined = " | ".join(fence(c) for c in calls)
+        lines.append(f"the agent's calculation: {_cut(joined, STEPS_CHARS)}")
+    elif trace.output:
+        lines.append(f"the agent's answer: {fence(trace.output)}")
+    lines.append(f"feedback: {fence(trace.feedback.text or '')}")
     return "\n".join(lines)
 
 
@@ -303,17 +337,28 @@ def consolidator_messages(
     )
 
 
+def exemplifier_messages(
+    prompts: Prompts, lesson: str, record: ReflectionRecord
+) -> list[ChatMessage]:
+    """A new bullet and a failed trace it came from (its record kept the trace), for the
+    bullet's worked example (same endpoint as the curator)."""
+    return prompts.exemplifier.fill({"lesson": fence(lesson), "trace": record.trace})
+
+
 __all__ = [
     "PROMPTS_VERSION",
+    "PROMPT_ROLES",
     "Prompts",
     "ReflectionRecord",
     "Template",
     "combiner_messages",
     "consolidator_messages",
     "curator_messages",
+    "exemplifier_messages",
     "parse_template",
     "reflector_messages",
     "render_bullets_used",
+    "render_failure",
     "render_partial_updates",
     "render_reflections",
     "render_stats",

@@ -56,6 +56,8 @@ class WindowStats(Struct):
     stale_by: int = 0  # versions between the snapshot and the playbook it was committed to
     delay_s: float = 0.0
     consolidator_calls: int = 0  # consolidation passes (one per section), on the curator's endpoint
+    example_calls: int = 0  # worked examples asked for (learning.worked_examples), same endpoint
+    examples: int = 0  # new bullets given a worked example
     consolidation: Consolidation | None = None
 
 

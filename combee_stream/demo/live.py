@@ -146,6 +146,9 @@ async def run_live_demo(args: argparse.Namespace, config: Config) -> int:
                 max_batch_size=12,
                 reflect_successes="cited",
                 merge_similar=0.8 if cfg.llm.embeddings.enabled else 0.0,
+                # This agent follows a worked example where it ignores a rule; the demo's
+                # tasks are generated, nothing private for an example to carry.
+                worked_examples=True,
             ),
         )
         view = View(cfg.llm.agent.model, len(train))

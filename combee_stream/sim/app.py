@@ -265,8 +265,8 @@ class SimApp:
         if role is None:
             raise _BadRequest(
                 "the simulator cannot tell the role: no user message carries a <trace>, "
-                "<reflections>, <partial_updates>, <section_bullets>, <judged_answer> or "
-                "<question> block",
+                "<reflections>, <partial_updates>, <section_bullets>, <judged_answer>, "
+                "<failed_trace> or <question> block",
                 "messages",
             )
         settings, stats = self.settings, self._stats

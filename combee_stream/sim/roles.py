@@ -1,10 +1,11 @@
 """Scripted behaviour of the simulated LLM roles, as pure functions of the prompt they see.
 
-The role is identified by which block the user message carries: ``<partial_updates>`` (combiner),
-``<reflections>`` (curator), ``<trace>`` (reflector) or ``<question>`` (the agent); each tag sits
-on its own line. The roles work from the text they are shown: the lesson markers of simulated
-traces (:mod:`combee_stream.sim.markers`), never an instruction in the product's prompts.
-The :class:`~combee_stream.sim.settings.RealismModel` makes them err as real models do.
+The role is identified by which block the user message carries: ``<failed_trace>``
+(exemplifier), ``<partial_updates>`` (combiner), ``<reflections>`` (curator), ``<trace>``
+(reflector) or ``<question>`` (the agent), among others; each tag sits on its own line. The
+roles work from the text they are shown: the lesson markers of simulated traces
+(:mod:`combee_stream.sim.markers`), never an instruction in the product's prompts. The
+:class:`~combee_stream.sim.settings.RealismModel` makes them err as real models do.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ from typing import Final, Literal
 
 import msgspec
 
-from combee_stream.core.outputs import ConsolidatorOutput, CuratorOutput, Merge, ReflectorOutput
+from combee_stream.core.outputs import (
+    ConsolidatorOutput,
+    CuratorOutput,
+    Merge,
+    ReflectorOutput,
+    WorkedExample,
+)
 from combee_stream.evaluation.answerer import AgentOutput
 from combee_stream.evaluation.replay import JudgeOutput
 from combee_stream.schemas import AddOp, BulletTag, Operation
@@ -33,13 +40,14 @@ from combee_stream.sim.settings import RealismModel
 from combee_stream.sim.tasks import poison_of, task_code, task_lesson, wrong_code
 from combee_stream.tasks.base import parse_number
 
-Role = Literal["reflector", "curator", "combiner", "agent", "consolidator", "judge"]
+Role = Literal["reflector", "curator", "combiner", "agent", "consolidator", "judge", "exemplifier"]
 CURATOR_SECTION = "STRATEGIES & INSIGHTS"
 
 # Checked in this order: a curator prompt never carries <partial_updates>, a reflector prompt
 # never carries <reflections>.
 _ROLE_TAGS: tuple[tuple[str, Role], ...] = (
     ("judged_answer", "judge"),
+    ("failed_trace", "exemplifier"),
     ("section_bullets", "consolidator"),
     ("partial_updates", "combiner"),
     ("reflections", "curator"),
@@ -271,6 +279,20 @@ def consolidate(prompt: str) -> ConsolidatorOutput:
     return ConsolidatorOutput(merges=merges)
 
 
+_FIELD = r"^{}:[ \t]*(.*)$"
+
+
+def exemplify(prompt: str) -> WorkedExample:
+    """The answer the trace's lesson gives against the agent's, as a model copying the trace's
+    lines writes them."""
+    trace = block(prompt, "failed_trace") or ""
+    lessons = find_lessons(trace)
+    wrong = re.search(_FIELD.format("the agent's answer"), trace, re.MULTILINE)
+    if not lessons or wrong is None:
+        return WorkedExample(right="none", wrong="")
+    return WorkedExample(right=f"the answer {lessons[0].id} gives", wrong=wrong.group(1).strip())
+
+
 def judge(prompt: str) -> JudgeOutput:
     """Right when the answer's last number equals the reference's (text answers: the same
     words, case and spacing aside), as a careful judge of these tasks would rule."""
@@ -295,9 +317,14 @@ def respond(
     system: str = "",
 ) -> bytes:
     """The JSON content the role answers with."""
-    output: ReflectorOutput | CuratorOutput | AgentOutput | ConsolidatorOutput | JudgeOutput
+    output: (
+        ReflectorOutput | CuratorOutput | AgentOutput | ConsolidatorOutput | JudgeOutput
+        | WorkedExample
+    )  # fmt: skip
     if role == "judge":
         output = judge(prompt)
+    elif role == "exemplifier":
+        output = exemplify(prompt)
     elif role == "consolidator":
         output = consolidate(prompt)
     elif role == "reflector":
@@ -318,6 +345,7 @@ __all__ = [
     "combine",
     "consolidate",
     "curate",
+    "exemplify",
     "identify_role",
     "judge",
     "overload_keep",
