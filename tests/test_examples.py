@@ -131,8 +131,11 @@ def test_an_example_is_two_calculations_without_their_results() -> None:
 
 
 def test_an_example_that_says_nothing_or_overflows_the_bound_leaves_the_rule_alone() -> None:
-    # "13000000": a bare result where the agent's mistake was a calculation shows nothing.
-    for right, bound in (("none", 2000), (RIGHT, len(RULE) + 20), ("13000000", 2000)):
+    # "13000000": a bare result where the agent's mistake was a calculation shows nothing;
+    # the agent's own calculation again ("= 13" aside) shows nothing either.
+    for right, bound in (
+        ("none", 2000), (RIGHT, len(RULE) + 20), ("13000000", 2000), ("35.3 - 22.3 = 13", 2000)
+    ):  # fmt: skip
         llm = Scripted(right)
         _, result = learn(
             llm, [failed("oi", OI, "13", "13000000")], worked_examples=True, max_bullet_chars=bound

@@ -738,12 +738,17 @@ class Learner:
             content = f"{op.content.rstrip()}{EXAMPLE_MARK}{example}"
             # A field the grammar's bound stopped was cut mid-calculation.
             cut = bound and max(len(reply.right), len(reply.wrong)) >= bound - 2
+            right, wrong = reply.calculations()
             if (
                 cut
-                or normalize(reply.right) in _NO_LESSON
-                or not reply.wrong.strip()
+                or normalize(right) in _NO_LESSON
+                or not wrong
+                # "write X, not X": on ACE's Formula rows the agent's calculation was often
+                # right and its answer wrong for another reason (unrounded, a unit), and a
+                # 1.5B exemplifier then gives the same calculation twice.
+                or right.replace(" ", "") == wrong.replace(" ", "")
                 # The agent's mistake was a calculation: a bare result shows nothing of it.
-                or (has_formula(reply.wrong) and not has_formula(reply.right))
+                or (has_formula(wrong) and not has_formula(right))
                 or len(content) > self._config.max_bullet_chars
                 # The review would refuse the whole bullet; the rule alone may still pass.
                 or violates(example, self._policy)

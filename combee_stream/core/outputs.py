@@ -68,9 +68,13 @@ class WorkedExample(Struct, forbid_unknown_fields=False):
     wrong: str  # what it wrote (asked first: copying it, the model then writes the other)
     right: str  # what the agent should have written (the reference solution's calculation)
 
-    def text(self) -> str:
-        """``write <right>, not <wrong>``, each without a trailing "= <its result>"."""
+    def calculations(self) -> tuple[str, str]:
+        """(right, wrong), each on one line and without a trailing "= <its result>"."""
         right, wrong = (_RESULT.sub("", " ".join(t.split())) for t in (self.right, self.wrong))
+        return right, wrong
+
+    def text(self) -> str:
+        right, wrong = self.calculations()
         return f"write {right}, not {wrong}"
 
 
