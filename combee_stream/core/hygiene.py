@@ -296,7 +296,7 @@ def violates(text: str, policy: Sequence[re.Pattern[str]]) -> bool:
     return any(pattern.search(text) for pattern in policy)
 
 
-def _text_problem(
+def text_problem(
     text: str, max_chars: int, policy: Sequence[re.Pattern[str]], quoted: Sequence[str]
 ) -> SkipReason | None:
     if len(text) > max_chars:
@@ -427,7 +427,7 @@ def review_adds(
     kept = [frozenset(content_words(rule_of(t) if examples else t)) for t in existing]
     rejected: dict[int, SkipReason] = {}
     for i, add in enumerate(adds):
-        problem = _text_problem(add.content, max_chars, policy, quoted)
+        problem = text_problem(add.content, max_chars, policy, quoted)
         if problem is not None:
             rejected[i] = problem
             continue
@@ -469,7 +469,7 @@ def review_edits(
     refused: list[SkippedOp] = []
     for op in delta.operations:
         if isinstance(op, UpdateOp):
-            problem = _text_problem(op.content, max_chars, policy, quoted)
+            problem = text_problem(op.content, max_chars, policy, quoted)
             target = by_id.get(op.bullet_id)
             if problem is not None:
                 refused.append(SkippedOp(op=op, reason=problem))
@@ -509,6 +509,7 @@ __all__ = [
     "review_adds",
     "review_edits",
     "rule_of",
+    "text_problem",
     "violates",
     "without_cut_sentence",
     "without_narration",

@@ -78,12 +78,11 @@ from combee_stream.core.hygiene import (
     DEFAULT_POLICY,
     EXAMPLE_MARK,
     as_rule,
-    carries_markup,
     compile_policy,
     content_words,
-    quotes,
     review_adds,
     review_edits,
+    text_problem,
     violates,
     without_rendered_prefix,
 )
@@ -734,11 +733,10 @@ class Learner:
             except LLMCallError as exc:
                 log.warning("worked example failed", error=str(exc))
                 return
-            example = reply.text()
-            content = f"{op.content.rstrip()}{EXAMPLE_MARK}{example}"
+            right, wrong = reply.calculations()
+            content = f"{op.content.rstrip()}{EXAMPLE_MARK}{reply.text()}"
             # A field the grammar's bound stopped was cut mid-calculation.
             cut = bound and max(len(reply.right), len(reply.wrong)) >= bound - 2
-            right, wrong = reply.calculations()
             if (
                 cut
                 or normalize(right) in _NO_LESSON
@@ -749,11 +747,9 @@ class Learner:
                 or right.replace(" ", "") == wrong.replace(" ", "")
                 # The agent's mistake was a calculation: a bare result shows nothing of it.
                 or (has_formula(wrong) and not has_formula(right))
-                or len(content) > self._config.max_bullet_chars
-                # The review would refuse the whole bullet; the rule alone may still pass.
-                or violates(example, self._policy)
-                or carries_markup(example)
-                or quotes(example, quoted)
+                # The review's own text checks (length, policy, markup, quoted spans): they
+                # would refuse the whole bullet, and the rule alone may still pass.
+                or text_problem(content, self._config.max_bullet_chars, self._policy, quoted)
             ):
                 return
             out[i] = msgspec.structs.replace(op, content=content)
