@@ -218,3 +218,30 @@ async def test_keys_quick(config: Config) -> None:
         assert sample.live_pipelines == 0 and sample.rss_mb > 0
     assert len({s.metric_series for s in report.samples}) == 1, "series do not grow with keys"
     assert all(t.met for t in report.targets) and "Simulated LLM" in markdown(report)
+
+
+def test_quality_report_warns_when_arms_were_evaluated_apart() -> None:
+    """Two evaluations of one prompt on llama-server differ on some answers, so a pair of arms
+    evaluated by different invocations of ``bench quality`` (a base reused from an earlier
+    session) is flagged; arms evaluated by the same one are not."""
+    from combee_stream.bench.quality import PromptRow, _sessions_note
+
+    def row(prompt: str, *runs: str) -> PromptRow:
+        return PromptRow(
+            prompt=prompt, accuracy=0.5, ci95=(0.4, 0.6), correct=50, n=100, by_family={},
+            evaluated_by=list(runs),
+        )  # fmt: skip
+
+    one = "2026-12-06T15:40:00Z"
+    assert _sessions_note([row("base", one), row("naive", one), row("combee", one)]) == ""
+    note = _sessions_note(
+        [row("base", "2026-12-05T09:00:00Z"), row("naive", one), row("combee", one)]
+    )
+    assert note.startswith("Evaluated in different invocations")
+    assert "of naive, combee against base" in note
+    # a base whose answers came from a folder that recorded no invocation is not vouched for
+    assert "an unrecorded earlier one" in _sessions_note([row("base"), row("combee", one)])
+    # an interrupted base finished by a second invocation spans both: flagged too
+    assert "of combee against" in _sessions_note(
+        [row("base", "2026-12-05T09:00:00Z", one), row("combee", one)]
+    )

@@ -301,6 +301,9 @@ def test_bench_quality_runs_end_to_end_and_a_rerun_reuses_every_finished_item(
     assert base["n"] == combee["n"] == 2
     assert 0 <= base["correct"] <= 2 and 0 <= combee["correct"] <= 2
     assert sum(n for n, _ in base["by_family"].values()) == base["correct"]
+    # both arms answered by this one invocation: no warning that their pairing spans sessions
+    assert len(base["evaluated_by"]) == 1 and combee["evaluated_by"] == base["evaluated_by"]
+    assert not any(note.startswith("Evaluated in different") for note in report["notes"])
     assert combee["learn_calls"] > 0 and combee["learn_tokens_in"] > 0
     learned = msgspec.json.decode((work / "combee" / "report.json").read_bytes())
     assert learned["complete"] and learned["combine"] == "llm" and learned["traces"] == 4

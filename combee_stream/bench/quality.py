@@ -129,6 +129,7 @@ class PromptRow(Struct, kw_only=True):
     learn_wall_s: float = 0.0
     capacity_share: float = 0.0  # learner output tokens / (wall x parallel capacity)
     eval_wall_s: float = 0.0
+    evaluated_by: list[str] = []  # the invocations (start times) that answered its tasks
 
 
 class QualityReport(Struct, kw_only=True):
@@ -256,7 +257,9 @@ def near_duplicate_bullets(playbook: Playbook, threshold: float = NEAR_DUPLICATE
     return len(flagged)
 
 
-def _row(prompt: str, result: EvalResult, base: EvalResult | None) -> PromptRow:
+def _row(
+    prompt: str, result: EvalResult, base: EvalResult | None, evaluated_by: list[str]
+) -> PromptRow:
     return PromptRow(
         prompt=prompt,
         accuracy=result.accuracy,
@@ -266,6 +269,7 @@ def _row(prompt: str, result: EvalResult, base: EvalResult | None) -> PromptRow:
         by_family=result.by_family,
         vs_base=compare(base, result) if base is not None else None,
         eval_wall_s=result.wall_s,
+        evaluated_by=evaluated_by,
     )
 
 
@@ -279,6 +283,7 @@ async def run_quality(config: Config, settings: QualitySettings, out: Path) -> Q
     ]
     held_out = held_out[: s.held_out_n]
     phases = _Phases.load(out)
+    invocation = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     if phases.capacity is None:  # measured once per work folder, as its run began
         phases.capacity = await measure_capacity(
             config.llm.agent.base_url, config.llm.agent.model, s.concurrency
@@ -295,8 +300,10 @@ async def run_quality(config: Config, settings: QualitySettings, out: Path) -> Q
         phases.save(out)
     train_wall = phases.train_wall_s
 
-    base = await _evaluated(config, "", held_out, "base", out, s.concurrency, phases)
-    rows = [_row("base", base, None)]
+    base, base_runs = await _evaluated(
+        config, "", held_out, "base", out, s.concurrency, phases, invocation
+    )
+    rows = [_row("base", base, None, base_runs)]
     results: dict[str, EvalResult] = {"base": base}
     for strategy in s.strategies:
         folder = out / strategy
@@ -321,11 +328,11 @@ async def run_quality(config: Config, settings: QualitySettings, out: Path) -> Q
         playbook = (
             history.newest[s.key].playbook if s.key in history.newest else Playbook(key=s.key)
         )
-        result = await _evaluated(
-            config, render(playbook), held_out, strategy, out, s.concurrency, phases
+        result, runs = await _evaluated(
+            config, render(playbook), held_out, strategy, out, s.concurrency, phases, invocation
         )
         results[strategy] = result
-        row = _row(strategy, result, base)
+        row = _row(strategy, result, base, runs)
         _learned(row, playbook, report, _updates(folder), capacity)
         rows.append(row)
     combee_vs_naive = (
@@ -341,7 +348,7 @@ async def run_quality(config: Config, settings: QualitySettings, out: Path) -> Q
         results=rows,
         combee_vs_naive=combee_vs_naive,
         targets=_targets(rows, combee_vs_naive),
-        notes=_notes(s, capacity, config.gate),
+        notes=[*_notes(s, capacity, config.gate), _sessions_note(rows)],
     )
 
 
@@ -352,6 +359,12 @@ class _Phases(Struct, kw_only=True):
     capacity: Capacity | None = None
     train_wall_s: float = 0.0
     eval_wall_s: dict[str, float] = {}  # by evaluation (its answers file's name)
+    # By evaluation, the invocations (their start times) that answered some of its tasks. Two
+    # evaluations of one prompt on llama-server with 4 slots differ on a share of answers (the
+    # slots batch together and the prompt cache changes the batch sizes): 6 of 24 within one
+    # server's life, 15 of 100 across sessions a day apart (2026-12-06). A pair of arms
+    # evaluated by different invocations carries that drift, and the report says so.
+    eval_runs: dict[str, list[str]] = {}
 
     @staticmethod
     def load(out: Path) -> _Phases:
@@ -426,13 +439,14 @@ def _learned(
 
 async def _evaluated(
     config: Config, prompt: str, tasks: list[Task], label: str, out: Path, concurrency: int,
-    phases: _Phases,
-) -> EvalResult:  # fmt: skip
+    phases: _Phases, invocation: str,
+) -> tuple[EvalResult, list[str]]:  # fmt: skip
     """One prompt on the held-out tasks, each answer appended to ``out`` as it is scored: the
     suite is long on 2 cores, and a rerun reuses every answer of the same model and prompt to
     a task it asks (one with more held-out tasks asks only the new ones). Its wall time is
     every invocation's that answered some of them (``phases.json``), not this one's only: a
-    rerun that reuses a finished evaluation reports what it took."""
+    rerun that reuses a finished evaluation reports what it took. Returned with those
+    invocations (``invocation`` is this one's start)."""
     identity = "\n".join([config.llm.agent.model, prompt])
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
     name = f"eval-{label}-{digest}"
@@ -459,8 +473,10 @@ async def _evaluated(
                     done=done, on_outcome=keep,
                 )  # fmt: skip
             phases.eval_wall_s[name] = phases.eval_wall_s.get(name, 0.0) + result.wall_s
+            phases.eval_runs[name] = [*phases.eval_runs.get(name, []), invocation]
             phases.save(out)
-    return msgspec.structs.replace(result, wall_s=phases.eval_wall_s.get(name, 0.0))
+    runs = phases.eval_runs.get(name, [])
+    return msgspec.structs.replace(result, wall_s=phases.eval_wall_s.get(name, 0.0)), runs
 
 
 def _read_outcomes(path: Path) -> list[TaskOutcome]:
@@ -610,6 +626,31 @@ def _notes(s: QualitySettings, capacity: Capacity, gate: GateConfig) -> list[str
         "Accuracy intervals are 95% Wilson; paired differences use Newcombe's method 10 and the "
         "exact McNemar test on the tasks one prompt got right and the other wrong.",
     ]
+
+
+def _sessions_note(rows: list[PromptRow]) -> str:
+    """A warning when an arm and the base were not evaluated by one invocation alone: their
+    paired interval then carries the server's drift between sessions (``_Phases.eval_runs``),
+    which it assumes away."""
+    base = rows[0].evaluated_by  # empty: answers reused from a folder that did not record it
+    apart = [
+        r.prompt
+        for r in rows[1:]
+        if not base or not r.evaluated_by or len({*base, *r.evaluated_by}) > 1
+    ]
+    if not apart:
+        return ""
+    when = "; ".join(
+        f"{r.prompt} by {', '.join(r.evaluated_by) or 'an unrecorded earlier one'}" for r in rows
+    )
+    return (
+        f"Evaluated in different invocations ({when}): the paired intervals of "
+        f"{', '.join(apart)} against base assume one answer per task and prompt, but two "
+        "evaluations of one prompt by this server differ on some answers (6 of 24 within one "
+        "server session, 15 of 100 a day apart, measured 2026-12-06), so those intervals "
+        "understate the uncertainty: evaluate the arms in one invocation (a fresh work folder "
+        "with the training traces copied in) to pair them."
+    )
 
 
 def _per_arm(title: str, by_arm: dict[str, dict[str, Any]]) -> str:
