@@ -128,6 +128,15 @@ def test_off_by_default_and_a_rule_alone_is_still_judged_whole() -> None:
 def test_an_example_is_two_calculations_without_their_results() -> None:
     example = WorkedExample(wrong="35.3 - 22.3 = 13", right="(35.3 -\n 22.3) * 1000000 = 13000000")
     assert example.text() == "write (35.3 - 22.3) * 1000000, not 35.3 - 22.3"
+    # A reference solution's chain (what a 1.5B exemplifier copied on ACE's rows) gives its
+    # calculation alone; the agent's own chain is its mistake and stays as written.
+    chain = WorkedExample(
+        wrong="P_0 = 2 / (0.09 - 0.05)", right="P_0 = 2 / (0.09 - 0.05) = 2 / 0.04 = 50"
+    )
+    assert chain.text() == "write 2 / (0.09 - 0.05), not P_0 = 2 / (0.09 - 0.05)"
+    named = WorkedExample(wrong="500 - 300", right="Net income = Revenue - Costs = 500 - 30 * 10")
+    assert named.calculations()[0] == "500 - 30 * 10"
+    assert WorkedExample(wrong="x", right="Revenue - Costs").calculations()[0] == "Revenue - Costs"
 
 
 def test_an_example_that_says_nothing_or_overflows_the_bound_leaves_the_rule_alone() -> None:

@@ -54,6 +54,21 @@ class ConsolidatorOutput(Struct, forbid_unknown_fields=False):
 
 
 _RESULT = re.compile(r"\s*=\s*-?[\d.,]+\s*$")
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+_OPERATOR = re.compile(r"[-+*/^]")
+
+
+def _computed(chain: str) -> str:
+    """The calculation of a chain of equalities: its first side that computes from numbers.
+    Reference solutions write "P_0 = 2 / (0.09 - 0.05) = 2 / 0.04 = 50"; a real 1.5B
+    exemplifier copied such a chain into "write P_0 = 2 / (0.09 - 0.05) = 2 / 0.04, not ...",
+    which teaches the agent to put names and "=" in its expression (ACE's Formula run,
+    2026-12-06). The name before the first "=" and the simplifications after the calculation
+    are dropped; a chain with no such side is left as it is."""
+    for side in chain.split("="):
+        if len(_NUMBER.findall(side)) >= 2 and _OPERATOR.search(side):
+            return side.strip()
+    return chain
 
 
 class WorkedExample(Struct, forbid_unknown_fields=False):
@@ -69,9 +84,11 @@ class WorkedExample(Struct, forbid_unknown_fields=False):
     right: str  # what the agent should have written (the reference solution's calculation)
 
     def calculations(self) -> tuple[str, str]:
-        """(right, wrong), each on one line and without a trailing "= <its result>"."""
+        """(right, wrong), each on one line and without a trailing "= <its result>"; the right
+        one is the calculation alone. The wrong one is kept as the agent wrote it: a name and
+        "=" in its expression may be its mistake."""
         right, wrong = (_RESULT.sub("", " ".join(t.split())) for t in (self.right, self.wrong))
-        return right, wrong
+        return _computed(right), wrong
 
     def text(self) -> str:
         right, wrong = self.calculations()
