@@ -224,7 +224,7 @@ def test_quality_report_warns_when_arms_were_evaluated_apart() -> None:
     """Two evaluations of one prompt on llama-server differ on some answers, so a pair of arms
     evaluated by different invocations of ``bench quality`` (a base reused from an earlier
     session) is flagged; arms evaluated by the same one are not."""
-    from combee_stream.bench.quality import PromptRow, _sessions_note
+    from combee_stream.bench.quality import UNRECORDED, PromptRow, _sessions_note
 
     def row(prompt: str, *runs: str) -> PromptRow:
         return PromptRow(
@@ -240,7 +240,8 @@ def test_quality_report_warns_when_arms_were_evaluated_apart() -> None:
     assert note.startswith("Evaluated in different invocations")
     assert "of naive, combee against base" in note
     # a base whose answers came from a folder that recorded no invocation is not vouched for
-    assert "an unrecorded earlier one" in _sessions_note([row("base"), row("combee", one)])
+    unrecorded = [row("base", UNRECORDED), row("combee", UNRECORDED)]
+    assert "base by an unrecorded earlier one" in _sessions_note(unrecorded)
     # an interrupted base finished by a second invocation spans both: flagged too
     assert "of combee against" in _sessions_note(
         [row("base", "2026-12-05T09:00:00Z", one), row("combee", one)]

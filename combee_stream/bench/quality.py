@@ -453,6 +453,8 @@ async def _evaluated(
     path = out / f"{name}.jsonl"
     asked = {t.id for t in tasks}
     done = [o for o in _read_outcomes(path) if o.task_id in asked]
+    if done and name not in phases.eval_runs:  # answered by a version that did not record it
+        phases.eval_runs[name] = [UNRECORDED]
     answered = {o.task_id for o in done}
     async with LLMClient(config.llm) as llm:
         if all(t.id in answered for t in tasks):  # no call: every task is answered
@@ -628,21 +630,19 @@ def _notes(s: QualitySettings, capacity: Capacity, gate: GateConfig) -> list[str
     ]
 
 
+UNRECORDED = "an unrecorded earlier one"
+
+
 def _sessions_note(rows: list[PromptRow]) -> str:
     """A warning when an arm and the base were not evaluated by one invocation alone: their
     paired interval then carries the server's drift between sessions (``_Phases.eval_runs``),
     which it assumes away."""
-    base = rows[0].evaluated_by  # empty: answers reused from a folder that did not record it
-    apart = [
-        r.prompt
-        for r in rows[1:]
-        if not base or not r.evaluated_by or len({*base, *r.evaluated_by}) > 1
-    ]
+    base = rows[0].evaluated_by
+    apart = [r.prompt for r in rows[1:] if UNRECORDED in {*base, *r.evaluated_by}
+             or len({*base, *r.evaluated_by}) > 1]  # fmt: skip
     if not apart:
         return ""
-    when = "; ".join(
-        f"{r.prompt} by {', '.join(r.evaluated_by) or 'an unrecorded earlier one'}" for r in rows
-    )
+    when = "; ".join(f"{r.prompt} by {', '.join(r.evaluated_by)}" for r in rows)
     return (
         f"Evaluated in different invocations ({when}): the paired intervals of "
         f"{', '.join(apart)} against base assume one answer per task and prompt, but two "
