@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+from collections.abc import Mapping
 from contextlib import AsyncExitStack
 from typing import Final
 
@@ -48,10 +49,10 @@ from combee_stream.agent import PromptClient, RunRecorder
 from combee_stream.config import Config
 from combee_stream.demo.common import fresh_kafka, gate_note
 from combee_stream.errors import UserError
-from combee_stream.evaluation import Answerer, compare, evaluate
+from combee_stream.evaluation import Answerer, EvalResult, compare, evaluate
 from combee_stream.kafka.producer import TraceProducer
 from combee_stream.kafka.subscriber import PromptSubscriber
-from combee_stream.llm import LLMClient
+from combee_stream.llm import LLMClient, RoleUsage
 from combee_stream.schemas import PromptUpdate
 from combee_stream.tasks import KEY, generate_tasks, task_feedback
 from combee_stream.wiring import Engine
@@ -76,6 +77,7 @@ class View:
         self.model = model
         self.tasks = tasks
         self.phase = "starting"
+        self.started = anyio.current_time()
         self.runs: dict[int, list[bool]] = {}  # prompt version -> outcomes of runs with it
         self.versions: dict[int, PromptUpdate] = {}
         self.done = 0
@@ -108,7 +110,11 @@ class View:
                 newest,
                 gate_note(update).lstrip(",; ") if update else "",
             )
-        status = Panel(f"{self.phase}  -  {self.done}/{self.tasks} tasks answered", title="now")
+        elapsed = _minutes(anyio.current_time() - self.started)
+        status = Panel(
+            f"{self.phase}  -  {self.done}/{self.tasks} tasks answered  -  {elapsed} elapsed",
+            title="now",
+        )
         return Group(status, table)
 
 
@@ -155,9 +161,13 @@ async def run_live_demo(args: argparse.Namespace, config: Config) -> int:
             ),
         )
         view = View(cfg.llm.agent.model, len(train))
-        engine = Engine(cfg)
+        # The engine's client is the demo's to read after the run (where the time went); the
+        # agent's is its own, as an agent's would be.
+        engine_llm = await stack.enter_async_context(LLMClient(cfg.llm))
+        engine = Engine(cfg, llm=engine_llm)
         llm = await stack.enter_async_context(LLMClient(cfg.llm))
         answerer = Answerer(llm)
+        times: dict[str, float] = {"start": anyio.current_time()}
         async with anyio.create_task_group() as tg:
             tg.start_soon(engine.run)
             await engine.started.wait()
@@ -197,23 +207,44 @@ async def run_live_demo(args: argparse.Namespace, config: Config) -> int:
 
                     view.phase = "the agent works; the engine learns from every run"
                     live.update(view.render())
-                    async with anyio.create_task_group() as inner:
-                        inner.start_soon(follow)
-                        await work()
-                        view.phase = "waiting for the engine to learn the last runs"
-                        live.update(view.render())
+                    before: EvalResult | None = None
+
+                    async def base() -> None:
+                        nonlocal before
+                        before = await evaluate(answerer, "", held_out, label="base")
+                        times["base"] = anyio.current_time()
+
+                    async def learned() -> None:
                         with anyio.move_on_after(600):
                             while _learned(view) < len(train):  # noqa: ASYNC110 - view updated by follow()
                                 await anyio.sleep(0.5)
+                        times["learned"] = anyio.current_time()
+
+                    async with anyio.create_task_group() as inner:
+                        inner.start_soon(follow)
+                        await work()
+                        times["worked"] = anyio.current_time()
+                        # The base arm needs no learned version: it runs while the engine
+                        # learns the last runs, on model slots the last windows leave idle
+                        # (the last window waits up to max_wait_s for traces that never come).
+                        view.phase = (
+                            "the engine learns the last runs; the base prompt answers the "
+                            f"{len(held_out)} held-out tasks"
+                        )
+                        live.update(view.render())
+                        async with anyio.create_task_group() as tail:
+                            tail.start_soon(base)
+                            tail.start_soon(learned)
                         inner.cancel_scope.cancel()
                     newest = prompts.current()
-                    view.phase = f"before/after on {len(held_out)} held-out tasks"
+                    view.phase = f"v{newest.version} answers the {len(held_out)} held-out tasks"
                     live.update(view.render())
-                    before = await evaluate(answerer, "", held_out, label="base")
                     after = await evaluate(
                         answerer, newest.text, held_out, label=f"v{newest.version}"
                     )
+                    times["after"] = anyio.current_time()
             engine.stop()
+    assert before is not None
     paired = compare(before, after)
     say(
         f"\nheld-out ({len(held_out)} tasks, the same agent): base prompt {before.accuracy:.0%} "
@@ -222,10 +253,44 @@ async def run_live_demo(args: argparse.Namespace, config: Config) -> int:
         f"lost {paired.only_a}: difference {paired.difference:+.0%} (paired 95% CI "
         f"{paired.ci95[0]:+.0%} to {paired.ci95[1]:+.0%}), exact McNemar p = {paired.mcnemar_p:.2g}"
     )
+    say(_time_note(times, len(train), len(held_out)))
+    say(_usage_note(engine_llm.usage(), llm.usage()))
     say(f"\nthe newest prompt (v{newest.version}):\n")
     say(newest.text.strip() or "(empty: no bullet was served)", markup=False)
     say("\nThe broker keeps running: `combee-stream kafka stop` stops it.")
     return 0
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
+
+
+def _time_note(times: dict[str, float], tasks: int, held_out: int) -> str:
+    """Where the run's time went, from the engine's start (the model already served)."""
+    start = times["start"]
+    worked, learned = times["worked"] - start, times["learned"] - start
+    return (
+        f"\ntime: {_minutes(times['after'] - start)} from the engine's start: the agent's "
+        f"{tasks} runs ended at {_minutes(worked)}, the engine had learned them at "
+        f"{_minutes(learned)} (the base prompt's {held_out} answers alongside, done at "
+        f"{_minutes(times['base'] - start)}), the learned prompt's {held_out} answers took "
+        f"{_minutes(times['after'] - max(learned, times['base'] - start) - start)}"
+    )
+
+
+def _usage_note(engine: Mapping[str, RoleUsage], demo: Mapping[str, RoleUsage]) -> str:
+    """What each role asked of the model: the engine's (its lesson check answers as the agent)
+    and the demo's agent, at work and in the before/after."""
+    parts = []
+    for who, usage in (("engine", engine), ("agent at work and before/after", demo)):
+        sent = [
+            f"{role} {u.calls - u.cached_calls} ({u.tokens_in / 1000:.1f}k in, "
+            f"{u.tokens_out / 1000:.1f}k out)"
+            for role, u in usage.items()
+            if u.calls > u.cached_calls and role != "embeddings"
+        ]
+        parts.append(f"{who}: {', '.join(sent) or 'none'}")
+    return "model requests (tokens): " + "; ".join(parts)
 
 
 def _learned(view: View) -> int:
