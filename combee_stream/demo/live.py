@@ -224,9 +224,9 @@ async def run_live_demo(args: argparse.Namespace, config: Config) -> int:
                         inner.start_soon(follow)
                         await work()
                         times["worked"] = anyio.current_time()
-                        # The base arm needs no learned version: it runs while the engine
-                        # learns the last runs, on model slots the last windows leave idle
-                        # (the last window waits up to max_wait_s for traces that never come).
+                        # The base arm needs no learned version: it runs beside the engine's
+                        # learning of the last runs, whose steps (curators, combiner, lesson
+                        # check, one after another) leave some of the model's slots idle.
                         view.phase = (
                             "the engine learns the last runs; the base prompt answers the "
                             f"{len(held_out)} held-out tasks"
