@@ -267,14 +267,13 @@ def _minutes(seconds: float) -> str:
 
 def _time_note(times: dict[str, float], tasks: int, held_out: int) -> str:
     """Where the run's time went, from the engine's start (the model already served)."""
-    start = times["start"]
-    worked, learned = times["worked"] - start, times["learned"] - start
+    at = {event: t - times["start"] for event, t in times.items()}
     return (
-        f"\ntime: {_minutes(times['after'] - start)} from the engine's start: the agent's "
-        f"{tasks} runs ended at {_minutes(worked)}, the engine had learned them at "
-        f"{_minutes(learned)} (the base prompt's {held_out} answers alongside, done at "
-        f"{_minutes(times['base'] - start)}), the learned prompt's {held_out} answers took "
-        f"{_minutes(times['after'] - max(learned, times['base'] - start) - start)}"
+        f"\ntime: {_minutes(at['after'])} from the engine's start: the agent's "
+        f"{tasks} runs ended at {_minutes(at['worked'])}, the engine had learned them at "
+        f"{_minutes(at['learned'])} (the base prompt's {held_out} answers alongside, done at "
+        f"{_minutes(at['base'])}), the learned prompt's {held_out} answers took "
+        f"{_minutes(at['after'] - max(at['learned'], at['base']))}"
     )
 
 
