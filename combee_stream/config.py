@@ -244,7 +244,11 @@ class LearningConfig(_Section):
     # and for keys whose tasks carry nothing private. The review judges the rule before
     # "Example:" (an example is an instance by design); the whole text meets the content
     # policy and the length bound; the lesson check does not retry the task an example came
-    # from (the example is its answer).
+    # from (the example is its answer). With the gate's own agent (gate.evaluator = "agent"
+    # and a string scorer), an example is kept only if its calculation, run by that agent's
+    # calculator, scores right on its task by gate.scorer; told what it gave, the exemplifier
+    # is asked once more, then the rule stays alone. A real run's one example neither rounded
+    # nor kept "%" out of its expression, and its agent copied both (quality_18.md).
     worked_examples: bool = False
     # A proposed bullet longer than this is refused (skipped as too_long): a lesson is a rule,
     # not a document, and one trace must not fill the prompt of every agent of its key.
@@ -480,9 +484,13 @@ class GateConfig(_Section):
     # agent), scored against the trace's ground truth with `scorer`. Or "module:function", an
     # async callable (prompt: str, task: HeldOutTask) -> score in [0, 1].
     evaluator: str = "agent"
-    # "judge": an LLM (the llm.judge role) decides whether the answer matches the reference,
-    # for answers in words that no string rule can compare.
-    scorer: Literal["exact", "numeric", "contains", "judge"] = "numeric"
+    # "numeric" forgives 0.005 (and a relative 1e-4): 0.4923 is 0.49 to it. "formula" is ACE's
+    # rule for its Formula rows (equal as floats once the commas are dropped): a task that asks
+    # for 2 decimal places is wrong unrounded. The gate should score as the agents' own
+    # environment does: bench quality gives it the task set's scorer. "judge": an LLM (the
+    # llm.judge role) decides whether the answer matches the reference, for answers in words
+    # that no string rule can compare.
+    scorer: Literal["exact", "numeric", "formula", "contains", "judge"] = "numeric"
     # A trace whose task or ground truth is longer than this is never held out (the reservoir
     # travels with every version).
     max_task_chars: Positive = 2_000

@@ -22,6 +22,7 @@ from combee_stream.core.learner import Learner, required_roles
 from combee_stream.core.prompts import PROMPT_ROLES, PromptRole, Prompts, Template, parse_template
 from combee_stream.engine import engine
 from combee_stream.errors import UserError
+from combee_stream.evaluation.examples import example_check
 from combee_stream.evaluation.lessons import LessonGate
 from combee_stream.evaluation.replay import ReplayGate
 from combee_stream.kafka.sizes import update_bytes
@@ -78,10 +79,12 @@ def build_learner(
     (:func:`load_prompts` of ``learning.prompts_dir``), semantic dedup through ``llm``'s
     embeddings endpoint when ``llm.embeddings.enabled``, the size bound of a version
     (``kafka.max_message_bytes``, measured by :func:`~combee_stream.kafka.sizes.update_bytes`),
-    and the gate (``gate``, else the one ``config.gate`` asks for, with its held-out policy,
-    keyed by the secret ``gate.holdout_secret_env`` names in ``env``, default the process
-    environment). Fails fast (``MissingEndpointError``) when a role it will call has no
-    endpoint, ``ConfigError`` when the replay gate has no secret."""
+    worked examples checked as the gate's agent would be scored
+    (:func:`~combee_stream.evaluation.examples.example_check`), and the gate (``gate``, else
+    the one ``config.gate`` asks for, with its held-out policy, keyed by the secret
+    ``gate.holdout_secret_env`` names in ``env``, default the process environment). Fails
+    fast (``MissingEndpointError``) when a role it will call has no endpoint, ``ConfigError``
+    when the replay gate has no secret."""
     llm.require(*required_roles(config, strategy_name))  # type: ignore[arg-type]
     holdout = None
     if config.gate.replay:
@@ -103,6 +106,7 @@ def build_learner(
         string_bounds={
             r: getattr(config.llm, r).max_string_chars for r in ("reflector", "curator", "combiner")
         },
+        check_example=example_check(config.gate) if config.learning.worked_examples else None,
     )
 
 

@@ -116,6 +116,7 @@ from combee_stream.core.prompts import (
     consolidator_messages,
     curator_messages,
     exemplifier_messages,
+    exemplifier_retry,
     reflector_messages,
 )
 from combee_stream.core.results import (
@@ -163,6 +164,12 @@ class LLM(Protocol):
     async def complete(
         self, role: Role, messages: list[ChatMessage], output_type: type[T]
     ) -> Completion[T]: ...
+
+
+# What is wrong with a worked example's calculation for the task it came from, as the agent
+# would be scored writing it (None: nothing). The learner knows no agent; the wiring gives the
+# gate's own agent's check (evaluation/examples.py).
+ExampleCheck = Callable[[str, HeldOutTask], str | None]
 
 
 class WindowError(CombeeError):
@@ -213,6 +220,7 @@ class Learner:
         max_update_bytes: int | None = None,
         update_size: UpdateSize | None = None,
         string_bounds: Mapping[str, int] | None = None,
+        check_example: ExampleCheck | None = None,
     ) -> None:
         if (max_update_bytes is None) != (update_size is None):
             raise ValueError("max_update_bytes and update_size bound a version together")
@@ -229,6 +237,7 @@ class Learner:
         # The longest string each role's reply grammar allows (llm.<role>.max_string_chars):
         # a text that long ending mid-sentence was cut there (see tidied).
         self._bounds = dict(string_bounds or {})
+        self._check_example = check_example
         self._prompts = prompts
         self.spec: StrategySpec = strategy(strategy_name or learning.strategy)
         self.params = ScanParams(
@@ -715,7 +724,9 @@ class Learner:
         has no failed trace with a reference answer, when the call fails, or when the example
         is empty, cut by the reply's length bound, longer than ``max_bullet_chars`` allows, or
         breaks the content policy, carries playbook markup or forwards what a trace only quoted
-        (its task is untrusted text): the review would refuse the bullet whole."""
+        (its task is untrusted text): the review would refuse the bullet whole. With
+        ``check_example``, also when its calculation is still wrong for its task after one
+        re-ask that says what it gives (``stats.wrong_examples``)."""
         failures = [rec for rec in group if rec.trace]
         out = list(operations)
         shown: dict[str, str] = {}
@@ -728,13 +739,35 @@ class Learner:
             words = set(content_words(op.content))
             record = max(failures, key=lambda rec: len(words & set(content_words(rec.task))))
             messages = exemplifier_messages(self._prompts, op.content, record)
-            try:
-                reply = await self._call("exemplifier", messages, WorkedExample, stats)
-            except LLMCallError as exc:
-                log.warning("worked example failed", error=str(exc))
+            task = record.retry
+            # Checked before the text checks: "write X, not X" is most often the agent's own
+            # calculation, right but unrounded, and told what it gives the exemplifier rounds.
+            for asked in range(2):
+                try:
+                    reply = await self._call("exemplifier", messages, WorkedExample, stats)
+                except LLMCallError as exc:
+                    log.warning("worked example failed", error=str(exc))
+                    return
+                if self._check_example is None or task is None:
+                    break
+                problem = self._check_example(reply.calculations()[0], task)
+                if problem is None:
+                    break
+                if asked:
+                    stats.wrong_examples += 1
+                    return
+                messages = exemplifier_retry(messages, reply, problem)
+            content = example(op.content, reply)
+            if content is None:
                 return
+            out[i] = msgspec.structs.replace(op, content=content)
+            shown[normalize(content)] = record.reflection.source.trace_id
+            stats.examples += 1
+
+        def example(rule: str, reply: WorkedExample) -> str | None:
+            """The bullet with ``reply``'s example, or None when a text check refuses it."""
             right, wrong = reply.calculations()
-            content = f"{op.content.rstrip()}{EXAMPLE_MARK}{reply.text()}"
+            content = f"{rule.rstrip()}{EXAMPLE_MARK}{reply.text()}"
             # A field the grammar's bound stopped was cut mid-calculation.
             cut = bound and max(len(reply.right), len(reply.wrong)) >= bound - 2
             if (
@@ -751,10 +784,8 @@ class Learner:
                 # would refuse the whole bullet, and the rule alone may still pass.
                 or text_problem(content, self._config.max_bullet_chars, self._policy, quoted)
             ):
-                return
-            out[i] = msgspec.structs.replace(op, content=content)
-            shown[normalize(content)] = record.reflection.source.trace_id
-            stats.examples += 1
+                return None
+            return content
 
         async with anyio.create_task_group() as tg:
             for i, op in enumerate(operations):
@@ -825,6 +856,7 @@ LearnerFactory = Callable[[Config, LLMClient], Learner]
 
 __all__ = [
     "LLM",
+    "ExampleCheck",
     "Learner",
     "LearnerFactory",
     "WindowError",

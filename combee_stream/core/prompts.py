@@ -345,6 +345,28 @@ def exemplifier_messages(
     return prompts.exemplifier.fill({"lesson": fence(lesson), "trace": record.trace})
 
 
+# Said after an exemplifier's reply whose "right" calculation the agent's tool does not score
+# right: what it gives, and the two ways a real 1.5B exemplifier got there (the reference
+# solution's calculation, unrounded; percentages written with "%").
+EXAMPLE_RETRY: Final = (
+    'Checked with the agent\'s calculator, your "right" calculation is not the reference answer: '
+    '{problem}. Reply again in the same JSON: "right" must be a calculation that gives exactly '
+    "the reference answer: numbers and operators only (percentages as decimal fractions with no "
+    '% sign, no names or "="), rounded as the task asks.'
+)
+
+
+def exemplifier_retry(
+    messages: list[ChatMessage], reply: Struct, problem: str
+) -> list[ChatMessage]:
+    """The exemplifier's conversation again, its reply and what is wrong with it added."""
+    return [
+        *messages,
+        {"role": "assistant", "content": encode(reply).decode()},
+        {"role": "user", "content": EXAMPLE_RETRY.format(problem=problem)},
+    ]
+
+
 __all__ = [
     "PROMPTS_VERSION",
     "PROMPT_ROLES",
@@ -355,6 +377,7 @@ __all__ = [
     "consolidator_messages",
     "curator_messages",
     "exemplifier_messages",
+    "exemplifier_retry",
     "parse_template",
     "reflector_messages",
     "render_bullets_used",

@@ -58,6 +58,7 @@ class WindowStats(Struct):
     consolidator_calls: int = 0  # consolidation passes (one per section), on the curator's endpoint
     example_calls: int = 0  # worked examples asked for (learning.worked_examples), same endpoint
     examples: int = 0  # new bullets given a worked example
+    wrong_examples: int = 0  # examples still wrong for their task when re-asked (rule alone)
     consolidation: Consolidation | None = None
 
 

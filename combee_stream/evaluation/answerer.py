@@ -73,8 +73,10 @@ def bullet_ids_of(prompt: str) -> set[str]:
     return set(_BULLET_ID.findall(prompt))
 
 
-def _format(value: float) -> str:
-    return f"{value:.10g}"
+def calculate(expression: str) -> str:
+    """The answer the agent gives for ``expression``: the calculator's value, as the scorers
+    read it. CalculatorError when the calculator refuses it."""
+    return f"{evaluate(expression):.10g}"
 
 
 class Answerer:
@@ -101,11 +103,9 @@ class Answerer:
         result, output = "", out.final_answer.strip()
         if out.expression.strip():
             try:
-                value = evaluate(out.expression)
+                result = output = calculate(out.expression)
             except CalculatorError as exc:
                 result = f"error: {exc}"
-            else:
-                result = output = _format(value)
         return Answer(
             output=output,
             reasoning=out.reasoning,
@@ -125,4 +125,5 @@ __all__ = [
     "Answer",
     "Answerer",
     "bullet_ids_of",
+    "calculate",
 ]

@@ -282,15 +282,21 @@ def consolidate(prompt: str) -> ConsolidatorOutput:
 _FIELD = r"^{}:[ \t]*(.*)$"
 
 
+_TOLD = re.compile(r"the reference answer is (-?\d[\d,]*(?:\.\d+)?)")
+
+
 def exemplify(prompt: str) -> WorkedExample:
     """The answer the trace's lesson gives against the agent's, as a model copying the trace's
-    lines writes them."""
+    lines writes them; re-asked with the reference answer (the learner's example check), that
+    answer, as a model told it copies it."""
     trace = block(prompt, "failed_trace") or ""
     lessons = find_lessons(trace)
     wrong = re.search(_FIELD.format("the agent's answer"), trace, re.MULTILINE)
     if not lessons or wrong is None:
         return WorkedExample(right="none", wrong="")
-    return WorkedExample(right=f"the answer {lessons[0].id} gives", wrong=wrong.group(1).strip())
+    told = _TOLD.search(prompt[prompt.find("</failed_trace>") :])
+    right = told.group(1) if told else f"the answer {lessons[0].id} gives"
+    return WorkedExample(right=right, wrong=wrong.group(1).strip())
 
 
 def judge(prompt: str) -> JudgeOutput:
