@@ -220,6 +220,32 @@ async def test_keys_quick(config: Config) -> None:
     assert all(t.met for t in report.targets) and "Simulated LLM" in markdown(report)
 
 
+def test_quality_gates_score_as_the_task_set_does() -> None:
+    """``bench quality`` gives the gate (and the worked-example check) its tasks' scorer: ACE's
+    Formula rows count an unrounded answer wrong, the default numeric rule does not."""
+    from combee_stream.bench.quality import scored_as_tasks
+    from combee_stream.config import GateConfig
+    from combee_stream.evaluation.examples import example_check
+    from combee_stream.schemas import HeldOutTask
+    from combee_stream.tasks import Task
+
+    def task(scorer: str) -> Task:
+        return Task(id=scorer, family="f", question="q", answer="0.49", scorer=scorer)
+
+    config = Config()
+    formula = scored_as_tasks(config, [task("formula"), task("formula")])
+    assert (config.gate.scorer, formula.gate.scorer) == ("numeric", "formula")
+    check = example_check(formula.gate)
+    held = HeldOutTask(trace_id="t", task="Round to 2 decimal places.", answer="0.49", rank=0)
+    assert check is not None and check("64 / 130", held) is not None
+    assert check("round(64 / 130, 2)", held) is None
+    # Mixed scorers, the judge, a user's evaluator: the config's own choice stands.
+    assert scored_as_tasks(config, [task("formula"), task("exact")]) is config
+    for gate in (GateConfig(scorer="judge"), GateConfig(evaluator="mine:evaluate")):
+        judged = msgspec.structs.replace(config, gate=gate)
+        assert scored_as_tasks(judged, [task("formula")]) is judged
+
+
 def test_quality_report_warns_when_arms_were_evaluated_apart() -> None:
     """Two evaluations of one prompt on llama-server differ on some answers, so a pair of arms
     evaluated by different invocations of ``bench quality`` (a base reused from an earlier

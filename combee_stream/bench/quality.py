@@ -33,6 +33,7 @@ import itertools
 import os
 import secrets
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -273,6 +274,19 @@ def _row(
     )
 
 
+def scored_as_tasks(config: Config, tasks: Sequence[Task]) -> Config:
+    """``config`` with the gate (and so the worked-example check) scoring as this benchmark
+    does, when every task has the same string scorer and the gate's own agent answers: on
+    ACE's Formula rows by ACE's rule, under which an unrounded answer is wrong. The default
+    "numeric" forgives 0.005: the eighteenth run's gate passed a version whose agent lost 8
+    held-out tasks by not rounding (docs/benchmarks/quality_18.md)."""
+    scorers = {t.scorer for t in tasks}
+    if len(scorers) != 1 or config.gate.scorer == "judge" or config.gate.evaluator != "agent":
+        return config
+    gate = msgspec.structs.replace(config.gate, scorer=scorers.pop())
+    return msgspec.structs.replace(config, gate=gate)
+
+
 async def run_quality(config: Config, settings: QualitySettings, out: Path) -> QualityReport:
     await anyio.Path(out).mkdir(parents=True, exist_ok=True)
     s = settings
@@ -282,14 +296,7 @@ async def run_quality(config: Config, settings: QualitySettings, out: Path) -> Q
         t for t in load_tasks(s.held_out, limit=s.held_out_n + s.train_n) if t.question not in seen
     ]
     held_out = held_out[: s.held_out_n]
-    # The gate (and the worked-example check) score as this benchmark does: on ACE's Formula
-    # rows by ACE's rule, under which an unrounded answer is wrong. The default "numeric"
-    # forgives 0.005, and the eighteenth run's gate passed a version whose agent lost 8
-    # held-out tasks by not rounding (docs/benchmarks/quality_18.md).
-    scorers = {t.scorer for t in (*train, *held_out)}
-    if len(scorers) == 1 and config.gate.scorer != "judge" and config.gate.evaluator == "agent":
-        gate = msgspec.structs.replace(config.gate, scorer=scorers.pop())
-        config = msgspec.structs.replace(config, gate=gate)
+    config = scored_as_tasks(config, [*train, *held_out])
     phases = _Phases.load(out)
     invocation = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     if phases.capacity is None:  # measured once per work folder, as its run began
@@ -781,5 +788,6 @@ __all__ = [
     "measure_capacity",
     "near_duplicate_bullets",
     "run_quality",
+    "scored_as_tasks",
     "training_traces",
 ]
