@@ -237,8 +237,11 @@ def test_quality_gates_score_as_the_task_set_does() -> None:
     assert (config.gate.scorer, formula.gate.scorer) == ("numeric", "formula")
     check = example_check(formula.gate)
     held = HeldOutTask(trace_id="t", task="Round to 2 decimal places.", answer="0.49", rank=0)
-    assert check is not None and check("64 / 130", held) is not None
-    assert check("round(64 / 130, 2)", held) is None
+    assert check is not None and check("64 / 130", held).calculation == "round(64 / 130, 2)"
+    assert (
+        check("70 / 130", held).problem
+        == "70 / 130 gives 0.5384615385, and the reference answer is 0.49"
+    )
     # Mixed scorers, the judge, a user's evaluator: the config's own choice stands.
     assert scored_as_tasks(config, [task("formula"), task("exact")]) is config
     for gate in (GateConfig(scorer="judge"), GateConfig(evaluator="mine:evaluate")):

@@ -9,10 +9,17 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 
 from combee_stream.config import GateConfig, LearningConfig
-from combee_stream.core.learner import ExampleCheck, Learner
-from combee_stream.core.outputs import CuratorOutput, ReflectorOutputNoTags, WorkedExample
+from combee_stream.core.learner import Learner
+from combee_stream.core.outputs import (
+    CheckedExample,
+    CuratorOutput,
+    ExampleCheck,
+    ReflectorOutputNoTags,
+    WorkedExample,
+)
 from combee_stream.core.playbook import new_playbook, normalize
 from combee_stream.evaluation.examples import example_check
 from combee_stream.llm import Completion
@@ -227,52 +234,73 @@ def gpm_trace() -> Trace:
     return failed("gpm", GPM, "0.4923076923", "0.49")
 
 
+GPM_RIGHT = "(130000 - 66000) / 130000"  # 0.4923076923: right, unrounded
+GPM_WRONG = "(130000 - 60000) / 130000"  # 0.5384615385: a wrong input
+
+
 def test_the_gates_agent_checks_an_example_as_it_would_be_scored() -> None:
     task = HeldOutTask(trace_id="gpm", task=GPM, answer="0.49", rank=0)
     formula = example_check(GateConfig(scorer="formula"))
     assert formula is not None
-    assert formula("round((130000 - 66000) / 130000, 2)", task) is None
-    assert formula("(130000 - 66000) / 130000", task) == (
-        "(130000 - 66000) / 130000 gives 0.4923076923, and the reference answer is 0.49"
+    rounded = f"round({GPM_RIGHT}, 2)"
+    assert formula(rounded, task) == CheckedExample(rounded)
+    # Right but unrounded, where the question names 2 decimal places: shown rounded to them.
+    assert formula(GPM_RIGHT, task) == CheckedExample(rounded)
+    # Where it names none, no rounding is guessed (the reference's own decimals would let a
+    # wrong 0.4923 pass for "0.49" as well as a right one).
+    unnamed = msgspec.structs.replace(task, task=GPM.replace(" Round to 2 decimal places.", ""))
+    assert formula(GPM_RIGHT, unnamed) == CheckedExample(
+        GPM_RIGHT, f"{GPM_RIGHT} gives 0.4923076923, and the reference answer is 0.49"
+    )
+    assert formula(GPM_WRONG, task) == CheckedExample(
+        GPM_WRONG, f"{GPM_WRONG} gives 0.5384615385, and the reference answer is 0.49"
     )
     # "%" is the calculator's modulo: 7% + 4.5% * 0.65 does not parse.
-    problem = formula("0.5 * 7% + 0.5 * 4.5% * (1 - 0.35)", task)
+    problem = formula("0.5 * 7% + 0.5 * 4.5% * (1 - 0.35)", task).problem
     assert problem is not None and problem.startswith("the calculator cannot evaluate")
     assert problem.endswith("and the reference answer is 0.49")
-    # The numeric scorer forgives 0.005: unrounded passes there (why bench quality gives the
-    # gate its task set's scorer).
+    # The numeric scorer forgives 0.005: unrounded passes there as it is (why bench quality
+    # gives the gate its task set's scorer).
     numeric = example_check(GateConfig())
-    assert numeric is not None and numeric("(130000 - 66000) / 130000", task) is None
+    assert numeric is not None and numeric(GPM_RIGHT, unnamed) == CheckedExample(GPM_RIGHT)
     # No check where the engine's agent does not answer, or an LLM judges.
     assert example_check(GateConfig(scorer="judge")) is None
     assert example_check(GateConfig(evaluator="my.module:evaluate")) is None
 
 
+def test_an_unrounded_example_is_shown_rounded_as_its_task_asks() -> None:
+    llm = Scripted(GPM_RIGHT, "130000 - 66000 / 130000")
+    check = example_check(GateConfig(scorer="formula"))
+    _, result = learn(llm, [gpm_trace()], check, worked_examples=True)
+    assert bullets(result) == [
+        f"{RULE}. Example: write round({GPM_RIGHT}, 2), not 130000 - 66000 / 130000"
+    ]
+    assert result.stats.example_calls == 1 and result.stats.examples == 1
+
+
 def test_an_example_scored_wrong_is_re_asked_with_what_it_gives_then_kept() -> None:
-    llm = Scripted("(130000 - 66000) / 130000", "130000 - 66000 / 130000",
-                   "round((130000 - 66000) / 130000, 2)")  # fmt: skip
+    llm = Scripted(GPM_WRONG, "130000 - 66000 / 130000", f"round({GPM_RIGHT}, 2)")
     check = example_check(GateConfig(scorer="formula"))
     _, result = learn(llm, [gpm_trace()], check, worked_examples=True)
     [first, again] = llm.shown["exemplifier"]
     assert "<failed_trace>" in first
-    assert "gives 0.4923076923, and the reference answer is 0.49" in again
+    assert "gives 0.5384615385, and the reference answer is 0.49" in again
     assert bullets(result) == [
-        f"{RULE}. Example: write round((130000 - 66000) / 130000, 2), not 130000 - 66000 / 130000"
+        f"{RULE}. Example: write round({GPM_RIGHT}, 2), not 130000 - 66000 / 130000"
     ]
     assert result.stats.example_calls == 2 and result.stats.examples == 1
     assert result.stats.wrong_examples == 0
 
 
 def test_an_example_still_wrong_when_re_asked_leaves_the_rule_alone() -> None:
-    # The eighteenth run's shape: percentages with "%", then unrounded.
-    llm = Scripted("0.5 * 7% + 0.5 * 4.5% * (1 - 0.35)", "7 + 4.5",
-                   "(130000 - 66000) / 130000")  # fmt: skip
+    # The eighteenth run's shape: percentages with "%", then a wrong input.
+    llm = Scripted("0.5 * 7% + 0.5 * 4.5% * (1 - 0.35)", "7 + 4.5", GPM_WRONG)
     check = example_check(GateConfig(scorer="formula"))
     _, result = learn(llm, [gpm_trace()], check, worked_examples=True)
     assert bullets(result) == [f"{RULE}."]
     assert result.stats.example_calls == 2
     assert result.stats.examples == 0 and result.stats.wrong_examples == 1
     # Without a check (a gate scored by a user's evaluator) the first reply is kept as is.
-    llm = Scripted("(130000 - 66000) / 130000", "130000 - 66000 / 130000")
+    llm = Scripted(GPM_WRONG, "130000 - 66000 / 130000")
     _, result = learn(llm, [gpm_trace()], worked_examples=True)
     assert result.stats.example_calls == 1 and result.stats.examples == 1

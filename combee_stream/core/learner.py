@@ -89,6 +89,7 @@ from combee_stream.core.hygiene import (
 from combee_stream.core.outputs import (
     ConsolidatorOutput,
     CuratorOutput,
+    ExampleCheck,
     ReflectorOutput,
     ReflectorOutputNoTags,
     WorkedExample,
@@ -164,12 +165,6 @@ class LLM(Protocol):
     async def complete(
         self, role: Role, messages: list[ChatMessage], output_type: type[T]
     ) -> Completion[T]: ...
-
-
-# What is wrong with a worked example's calculation for the task it came from, as the agent
-# would be scored writing it (None: nothing). The learner knows no agent; the wiring gives the
-# gate's own agent's check (evaluation/examples.py).
-ExampleCheck = Callable[[str, HeldOutTask], str | None]
 
 
 class WindowError(CombeeError):
@@ -726,7 +721,8 @@ class Learner:
         breaks the content policy, carries playbook markup or forwards what a trace only quoted
         (its task is untrusted text): the review would refuse the bullet whole. With
         ``check_example``, also when its calculation is still wrong for its task after one
-        re-ask that says what it gives (``stats.wrong_examples``)."""
+        re-ask that says what it gives (``stats.wrong_examples``); a calculation the check
+        rounds as its task asks is shown rounded."""
         failures = [rec for rec in group if rec.trace]
         out = list(operations)
         shown: dict[str, str] = {}
@@ -750,13 +746,14 @@ class Learner:
                     return
                 if self._check_example is None or task is None:
                     break
-                problem = self._check_example(reply.calculations()[0], task)
-                if problem is None:
+                checked = self._check_example(reply.calculations()[0], task)
+                if checked.problem is None:
+                    reply = msgspec.structs.replace(reply, right=checked.calculation)
                     break
                 if asked:
                     stats.wrong_examples += 1
                     return
-                messages = exemplifier_retry(messages, reply, problem)
+                messages = exemplifier_retry(messages, reply, checked.problem)
             content = example(op.content, reply)
             if content is None:
                 return
@@ -856,7 +853,6 @@ LearnerFactory = Callable[[Config, LLMClient], Learner]
 
 __all__ = [
     "LLM",
-    "ExampleCheck",
     "Learner",
     "LearnerFactory",
     "WindowError",

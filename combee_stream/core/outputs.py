@@ -8,10 +8,11 @@ reflector's diagnosis fields already are its reasoning, written before its key i
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from msgspec import Struct
 
-from combee_stream.schemas import BulletTag, Operation
+from combee_stream.schemas import BulletTag, HeldOutTask, Operation
 
 
 class ReflectorOutput(Struct, forbid_unknown_fields=False):
@@ -95,6 +96,18 @@ class WorkedExample(Struct, forbid_unknown_fields=False):
         return f"write {right}, not {wrong}"
 
 
+class CheckedExample(Struct, frozen=True):
+    """A worked example's calculation as checked against the task it came from."""
+
+    calculation: str  # as the example shows it (a check may round it as its task asks)
+    problem: str | None = None  # what is still wrong with it for its task; None: nothing
+
+
+# What the agent would be scored on a worked example's calculation for its task. The learner
+# knows no agent; the wiring gives the gate's own agent's check (evaluation/examples.py).
+ExampleCheck = Callable[[str, HeldOutTask], CheckedExample]
+
+
 ROLE_OUTPUTS: dict[str, type[Struct]] = {
     "reflector": ReflectorOutput,
     "curator": CuratorOutput,
@@ -104,8 +117,10 @@ ROLE_OUTPUTS: dict[str, type[Struct]] = {
 
 __all__ = [
     "ROLE_OUTPUTS",
+    "CheckedExample",
     "ConsolidatorOutput",
     "CuratorOutput",
+    "ExampleCheck",
     "Merge",
     "ReflectorOutput",
     "ReflectorOutputNoTags",

@@ -10,6 +10,13 @@ as modulo), and 8 of the 15 held-out tasks the agent lost were right but unround
 calculation goes through the same calculator and the same scorer as the replay gate's agent
 (``gate.scorer``); the learner re-asks once with what it gives, then keeps the rule alone.
 
+A calculation that is right once rounded to the places its question names ("2 decimal
+places") is shown as ``round(<calculation>, places)``:
+the exemplifier copies the reference solution's calculation, which does not round, and a
+1.5B exemplifier told so wrote it unrounded again (the nineteenth run: the CAPM and WACC
+examples, each re-asked). What the agent missed most was that rounding; the example then shows
+it, "write round(0.01 + 1.5 * 0.03, 2), not 0.01 + 1.5 * 0.03".
+
 Why only for the gate's own agent (``gate.evaluator = "agent"``): that agent and its
 calculator are the only agent the engine can run; a user's evaluator (``module:function``)
 answers with tools the engine does not know, and the judge scorer would make a check an LLM
@@ -20,11 +27,11 @@ call. Which scorer matters: ``numeric`` forgives 0.005, so 0.4923 passes for 0.4
 from __future__ import annotations
 
 from combee_stream.config import GateConfig
-from combee_stream.core.learner import ExampleCheck
+from combee_stream.core.outputs import CheckedExample, ExampleCheck
 from combee_stream.evaluation.answerer import calculate
 from combee_stream.evaluation.calculator import CalculatorError
 from combee_stream.schemas import HeldOutTask
-from combee_stream.tasks.base import SCORERS
+from combee_stream.tasks.base import SCORERS, places_named
 
 
 def example_check(config: GateConfig) -> ExampleCheck | None:
@@ -34,17 +41,24 @@ def example_check(config: GateConfig) -> ExampleCheck | None:
     if config.evaluator != "agent" or score is None:
         return None
 
-    def check(calculation: str, task: HeldOutTask) -> str | None:
+    def check(calculation: str, task: HeldOutTask) -> CheckedExample:
         try:
             answer = calculate(calculation)
         except CalculatorError as exc:
-            return (
-                f"the calculator cannot evaluate {calculation} ({exc}), and the reference answer "
-                f"is {task.answer}"
+            problem = f"the calculator cannot evaluate {calculation} ({exc})"
+            return CheckedExample(
+                calculation, f"{problem}, and the reference answer is {task.answer}"
             )
         if score(answer, task.answer):
-            return None
-        return f"{calculation} gives {answer}, and the reference answer is {task.answer}"
+            return CheckedExample(calculation)
+        # Only to places the question names: rounded to the reference answer's own decimals,
+        # 5.3 would pass for "5", and a wrong calculation would be shown as a right one.
+        places = places_named(task.task)
+        rounded = f"round({calculation}, {places})"
+        if places is not None and score(calculate(rounded), task.answer):
+            return CheckedExample(rounded)
+        problem = f"{calculation} gives {answer}, and the reference answer is {task.answer}"
+        return CheckedExample(calculation, problem)
 
     return check
 

@@ -135,6 +135,19 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= NUMERIC_RTOL * abs(b)
 
 
+def places_named(question: str) -> int | None:
+    """The decimal places a question asks its answer rounded to ("2 decimal places")."""
+    asked = _DECIMALS.search(question)
+    return int(asked.group(1)) if asked else None
+
+
+def places_asked(question: str, answer: str) -> int:
+    """The decimal places an answer is to be rounded to: those the question names, else those
+    of the reference answer."""
+    named = places_named(question)
+    return len(answer.partition(".")[2]) if named is None else named
+
+
 def miss_kind(task: Task, prediction: str) -> str | None:
     """What kind of miss a wrong numeric answer is, when it is one a rule can fix: right but
     not rounded to the decimals asked, off by a factor of 100, 1,000 or 1,000,000, the wrong
@@ -149,8 +162,7 @@ def miss_kind(task: Task, prediction: str) -> str | None:
     got = parse_number(prediction)
     if got is None:
         return "the answer states no number"
-    asked = _DECIMALS.search(task.question)
-    places = int(asked.group(1)) if asked else len(task.answer.partition(".")[2])
+    places = places_asked(task.question, task.answer)
 
     def same(value: float) -> bool:
         return round(value, places) == round(want, places) or _close(value, want)
@@ -208,5 +220,7 @@ __all__ = [
     "miss_kind",
     "numeric",
     "parse_number",
+    "places_asked",
+    "places_named",
     "task_feedback",
 ]
