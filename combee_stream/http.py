@@ -75,11 +75,25 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports free now, for child processes to bind (they may be taken
+    meanwhile: loopback only). All held at once while chosen: asked for one at a time, the
+    kernel can hand out the same port twice (a test broker given one port for both its
+    listeners failed to format its storage, CI 2026-12-07)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with contextlib.ExitStack() as stack:
+        # No SO_REUSEADDR (unlike bind): two such sockets could share a port.
+        socks = [
+            stack.enter_context(socket.socket(family, socket.SOCK_STREAM)) for _ in range(count)
+        ]
+        for sock in socks:
+            sock.bind((host, 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free now, for a child process to bind (it may be taken meanwhile: loopback only)."""
-    with contextlib.closing(bind(host, 0)) as sock:
-        port: int = sock.getsockname()[1]
-        return port
+    return free_ports(1, host)[0]
 
 
 @contextlib.asynccontextmanager
@@ -210,6 +224,7 @@ __all__ = [
     "Send",
     "bind",
     "free_port",
+    "free_ports",
     "health_app",
     "read_body",
     "send_json",

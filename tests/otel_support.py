@@ -40,6 +40,7 @@ import pytest
 from ci_support import in_ci
 
 from combee_stream.buildcache import cache_root, cached, cached_build
+from combee_stream.http import free_ports
 
 REPO: Final = Path(__file__).resolve().parent.parent
 SOURCE: Final = REPO / "tests" / "otelcol"
@@ -206,12 +207,6 @@ class RunningCollector:
             return ""
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _accepts(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.settimeout(0.5)
@@ -237,7 +232,7 @@ def run_collector(
     binary = binary or collector_binary()
     if binary is None:
         raise CollectorError("no current collector build in the build cache: make otelcol-prepare")
-    http_port, grpc_port = _free_port(), _free_port()
+    http_port, grpc_port = free_ports(2)
     with tempfile.TemporaryDirectory(prefix="otelcol-") as tmp:
         config_path = Path(tmp) / "config.yaml"
         config = collector_config(

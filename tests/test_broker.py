@@ -18,6 +18,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from broker_support import broker_command
 
 from combee_stream.config import BrokerConfig
+from combee_stream.http import free_ports
 from combee_stream.kafka.broker import (
     BrokerState,
     broker_running,
@@ -45,15 +46,19 @@ def _cli(action: str, broker: BrokerConfig) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+def test_ports_asked_for_together_are_distinct_and_free() -> None:
+    # One at a time, the kernel may give the same port twice: a spare broker given one port
+    # for both listeners failed to format its storage (CI, 2026-12-07).
+    ports = free_ports(8)
+    assert len(set(ports)) == 8
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
 
 
 def _spare_broker(state_dir: Path) -> BrokerConfig:
-    return BrokerConfig(port=_free_port(), controller_port=_free_port(), state_dir=str(state_dir))
+    port, controller_port = free_ports(2)
+    return BrokerConfig(port=port, controller_port=controller_port, state_dir=str(state_dir))
 
 
 async def _produce(bootstrap: str, topic: str, key: bytes, value: bytes) -> None:

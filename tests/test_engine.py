@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import sys
 
 import anyio
@@ -22,6 +21,7 @@ from engine_support import (
 
 from combee_stream import Engine
 from combee_stream.config import Config
+from combee_stream.http import free_port
 from combee_stream.kafka.topics import ensure_topics
 from combee_stream.schemas import Feedback, Trace
 from combee_stream.sim import LatencyModel, SimSettings, generate_traces, sim_server
@@ -65,12 +65,6 @@ async def test_200_traces_4_keys_3_partitions_learned_exactly_once(
         assert len(partitions) == 1
         partition = partitions.pop()
         assert update.watermark == {partition: max(o for _, o in offsets)}
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.mark.anyio

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from engine_support import (
 
 from combee_stream import Engine
 from combee_stream.config import BrokerConfig, Config
+from combee_stream.http import free_port
 from combee_stream.kafka.broker import start_broker, stop_broker
 from combee_stream.kafka.dlq import H_ERROR, H_OFFSET, H_PARTITION, H_STAGE
 from combee_stream.kafka.history import read_history
@@ -334,12 +334,6 @@ async def test_trace_whose_reflection_keeps_failing_is_parked_whole(
     assert set(audit(updates).learned) == {t.trace_id for t in traces} - bad
     committed = await committed_offsets(cfg)
     assert sum(committed.values()) == len(traces)  # parked traces count as done
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.mark.anyio

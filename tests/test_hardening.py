@@ -34,6 +34,7 @@ from combee_stream.core.playbook import new_playbook
 from combee_stream.core.prompts import ReflectionRecord, curator_messages, reflector_messages
 from combee_stream.engine.partition import KeyIndex
 from combee_stream.errors import DecodeError
+from combee_stream.http import free_port, free_ports
 from combee_stream.kafka.sizes import update_bytes
 from combee_stream.kafka.topics import ensure_topics
 from combee_stream.schemas import (
@@ -735,14 +736,6 @@ def test_the_engines_own_repeated_lines_are_rate_limited_and_summed_up() -> None
     )
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.anyio
 async def test_an_llm_outage_pauses_learning_instead_of_dead_lettering(
     config: Config, unique: str
@@ -750,7 +743,7 @@ async def test_an_llm_outage_pauses_learning_instead_of_dead_lettering(
     import httpx2
 
     traces = [lesson_trace("ka", f"t{i}", f"l{i}", f"rule {i} for the agent") for i in range(20)]
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = free_ports(2)
     base_url = f"http://127.0.0.1:{port}/v1"
     cfg = engine_config(config, unique, base_url, batch_size=5)
     cfg = msgspec.structs.replace(
@@ -1136,7 +1129,7 @@ async def test_an_endpoint_that_refuses_every_call_is_an_outage_not_bad_traces(
     import httpx2
 
     traces = [lesson_trace("ka", f"t{i}", f"l{i}", f"rule {i} for the agent") for i in range(20)]
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = free_ports(2)
     cfg = engine_config(config, unique, f"http://127.0.0.1:{port}/v1", batch_size=5)
     roles = {
         role: msgspec.structs.replace(getattr(cfg.llm, role), api_key_env="COMBEE_TEST_KEY")

@@ -39,6 +39,7 @@ from combee_stream import Engine
 from combee_stream.config import Config
 from combee_stream.formats.genai import trace_from_spans
 from combee_stream.formats.otlp import decode_telemetry
+from combee_stream.http import free_port
 from combee_stream.ingest import IngestStage
 from combee_stream.ingest.assembler import NO_FEEDBACK
 from combee_stream.kafka.client import make_producer
@@ -573,7 +574,7 @@ async def test_ingest_otel_alone_serves_its_metrics_consistent_with_what_it_inge
     """`combee-stream ingest otel` as its own process serves /metrics, /healthz and /readyz on
     ingest.metrics_port: 3 traces with feedback, 1 without, 1 with no root span (expired) and
     1 orphaned feedback item are counted as such."""
-    port = otel_support._free_port()
+    port = free_port()
     cfg = ingest_config(
         engine_config(config, unique, "http://127.0.0.1:9"),
         unique,

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -43,6 +42,7 @@ from combee_stream.config import LearningConfig, LLMConfig
 from combee_stream.core.learner import Learner
 from combee_stream.core.playbook import new_playbook, render
 from combee_stream.core.results import WindowResult
+from combee_stream.http import free_port
 from combee_stream.llm import ChatMessage, Completion, LLMClient, RoleUsage
 from combee_stream.localllm.build import CACHE_NAME, is_built
 from combee_stream.localllm.server import LocalServer, local_llm_config
@@ -68,12 +68,6 @@ BULLET_ID: Final = re.compile(r"^[a-z]+-\d{5}$")
 Name = Annotated[str, msgspec.Meta(pattern=r'^[^\x00-\x1f"\\]{1,32}$')]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def llama_build() -> None:
     """The llama-server build and the model; skipped without them, failed when CI=true."""
@@ -89,7 +83,7 @@ def llama_build() -> None:
 def llama_url(tmp_path_factory: pytest.TempPathFactory, llama_build: None) -> Iterator[str]:
     """Base URL (without /v1) of ``combee-stream llm serve`` running SmolLM2 for this module."""
     log = tmp_path_factory.mktemp("llama") / "serve.log"
-    port = _free_port()
+    port = free_port()
     command = [
         sys.executable, "-m", "combee_stream", "llm", "serve", "--model", MODEL,
         "--port", str(port), "--parallel", "1", "--state-dir", str(STATE),
@@ -317,7 +311,7 @@ def test_bench_quality_runs_end_to_end_and_a_rerun_reuses_every_finished_item(
     ).read_text()
     files = _jsonl_files(work)
 
-    closed = f"http://127.0.0.1:{_free_port()}/v1"
+    closed = f"http://127.0.0.1:{free_port()}/v1"
     for role in ("AGENT", "REFLECTOR", "CURATOR", "COMBINER", "EMBEDDINGS"):
         env[f"COMBEE__LLM__{role}__BASE_URL"] = closed
     env["COMBEE__LLM__AGENT__MODEL"] = MODEL  # the answers are kept by model, prompt and tasks
