@@ -110,8 +110,9 @@ def unique() -> str:
 
 # Fixtures that hand out a source build (otel_support.otelcol_binary, test_real_model's
 # llama_url, test_local_embeddings' minilm_dir, which `make llm-prepare` fetches): their tests
-# are marked ``build`` and run last, so that `make test` can run every other test while it
-# builds them in the background (tests/timed_run.py).
+# are marked ``build`` and sorted last. `make test` (tests/timed_run.py) runs every other test
+# while it builds them in the background, the real-model ones beside those as soon as
+# llama-server is built, and the Collector's after them.
 BUILD_FIXTURES = frozenset({"otelcol_binary", "llama_build", "llama_url", "minilm_dir"})
 
 
