@@ -54,9 +54,10 @@ def example_check(config: GateConfig) -> ExampleCheck | None:
         # Only to places the question names: rounded to the reference answer's own decimals,
         # 5.3 would pass for "5", and a wrong calculation would be shown as a right one.
         places = places_named(task.task)
-        rounded = f"round({calculation}, {places})"
-        if places is not None and score(calculate(rounded), task.answer):
-            return CheckedExample(rounded)
+        if places is not None:
+            rounded = f"round({calculation}, {places})"
+            if score(calculate(rounded), task.answer):
+                return CheckedExample(rounded)
         problem = f"{calculation} gives {answer}, and the reference answer is {task.answer}"
         return CheckedExample(calculation, problem)
 
