@@ -275,3 +275,21 @@ def test_quality_report_warns_when_arms_were_evaluated_apart() -> None:
     assert "of combee against" in _sessions_note(
         [row("base", "2026-12-05T09:00:00Z", one), row("combee", one)]
     )
+
+
+def test_quality_phases_forget_an_evaluation_whose_answers_were_deleted() -> None:
+    """Deleting an arm's answers file makes the next invocation answer every task again: the
+    earlier invocations' time and names no longer describe those answers (the twentieth run's
+    base, answered again beside combee, was reported as spanning two sessions and 22.7
+    minutes); answers kept from an unrecorded version stay flagged as such."""
+    from combee_stream.bench.quality import UNRECORDED, _Phases
+
+    name = "eval-base-0123"
+    phases = _Phases(eval_wall_s={name: 600.0}, eval_runs={name: ["2026-12-07T00:30:40Z"]})
+    phases.kept(name, 100)
+    assert phases.eval_runs[name] == ["2026-12-07T00:30:40Z"]
+    assert phases.eval_wall_s[name] == 600.0
+    phases.kept(name, 0)
+    assert name not in phases.eval_runs and name not in phases.eval_wall_s
+    phases.kept(name, 3)
+    assert phases.eval_runs[name] == [UNRECORDED]

@@ -391,6 +391,17 @@ class _Phases(Struct, kw_only=True):
     def save(self, out: Path) -> None:
         (out / "phases.json").write_bytes(msgspec.json.encode(self))
 
+    def kept(self, name: str, answers: int) -> None:
+        """Square an evaluation's record with the answers its file keeps for this run: none
+        (the file deleted to answer every task again, as to pair two arms in one invocation)
+        starts the record afresh, since the invocations it names answered nothing reported
+        now; some that no invocation recorded were answered by a version that did not."""
+        if not answers:
+            self.eval_wall_s.pop(name, None)
+            self.eval_runs.pop(name, None)
+        elif name not in self.eval_runs:
+            self.eval_runs[name] = [UNRECORDED]
+
 
 def _holdout_secret(out: Path) -> str:
     """The replay gate's held-out key for this work folder: generated on the first run and
@@ -468,8 +479,7 @@ async def _evaluated(
     path = out / f"{name}.jsonl"
     asked = {t.id for t in tasks}
     done = [o for o in _read_outcomes(path) if o.task_id in asked]
-    if done and name not in phases.eval_runs:  # answered by a version that did not record it
-        phases.eval_runs[name] = [UNRECORDED]
+    phases.kept(name, len(done))
     answered = {o.task_id for o in done}
     async with LLMClient(config.llm) as llm:
         if all(t.id in answered for t in tasks):  # no call: every task is answered
