@@ -188,6 +188,16 @@ def test_readers_of_the_ace_and_gsm8k_files(datasets: Path) -> None:
     assert gsm[0].answer == "18" and is_correct(gsm[0], "$18")
 
 
+def test_a_source_can_skip_its_first_rows(datasets: Path) -> None:
+    path = datasets / "ace-finance" / "formula_train_subset_500.jsonl"
+    whole = load_tasks(f"formula:{path}")
+    later = load_tasks(f"formula:{path}@60", limit=60)
+    assert [t.question for t in later] == [t.question for t in whole[60:120]]
+    assert len(load_tasks(f"formula:{path}@499")) == 1
+    with pytest.raises(UserError, match="no rows left after skipping 500"):
+        load_tasks(f"formula:{path}@500")
+
+
 def test_unknown_task_sources_are_clear_errors() -> None:
     with pytest.raises(UserError, match="generated"):
         load_tasks("nonsense")

@@ -2,7 +2,9 @@
 
 ``load_tasks(SOURCE)`` reads the ``--tasks`` argument of ``combee-stream eval`` (and the quality
 benchmark): ``generated`` or ``generated:SEED`` (financial word problems), ``formula:PATH`` and
-``finer:PATH`` (ACE's finance files), ``gsm8k:PATH``.
+``finer:PATH`` (ACE's finance files), ``gsm8k:PATH``. A file source may end in ``@N`` to skip
+its first N rows (``formula:train.jsonl@60`` starts at the 61st), so a second run can learn
+from rows the first never saw.
 """
 
 from __future__ import annotations
@@ -29,9 +31,15 @@ def load_tasks(source: str, *, limit: int | None = None) -> list[Task]:
     reader = _READERS.get(kind)
     if reader is None or not arg:
         raise UserError(
-            f"--tasks {source!r}: expected generated[:SEED], formula:PATH, finer:PATH or gsm8k:PATH"
+            f"--tasks {source!r}: expected generated[:SEED], formula:PATH, finer:PATH or "
+            "gsm8k:PATH, a PATH optionally ending in @N (skip its first N rows)"
         )
-    tasks = reader(Path(arg))
+    path, at, skip = arg.rpartition("@")
+    if not at or not skip.isdigit():  # no "@N" suffix: the whole argument is the path
+        path, skip = arg, "0"
+    tasks = reader(Path(path))[int(skip) :]
+    if not tasks:
+        raise UserError(f"--tasks {source!r}: no rows left after skipping {skip}")
     return tasks[:limit] if limit else tasks
 
 
