@@ -196,6 +196,26 @@ def test_a_bullet_that_gives_the_error_again_as_its_fix_is_refused() -> None:
     assert review_adds(playbook(), delta, []) == {0: "contradicts_itself"}
 
 
+def test_use_a_instead_of_a_contradicts_itself_and_a_real_substitution_stays() -> None:
+    from combee_stream.core.hygiene import contradicts_itself
+
+    # The twenty-first run's bullet (a 1.5B curator, 2026-12-07): both sides the same mark.
+    assert contradicts_itself(
+        "When using a formula, always double-check the operator used to avoid syntax errors. "
+        "Always use the correct operator '×' instead of '×'."
+    )
+    assert contradicts_itself("When pricing, use D1 / (r - g) rather than D1 / (r - g).")
+    # Real substitutions: a mark for another, a unit conversion, a term added or wrapped.
+    for rule in (
+        "When writing an expression for the calculator, use '*' instead of '×'.",
+        "When the rate is a percentage, express it as a decimal (e.g., 0.10 instead of 10%).",
+        "When the rate is given in percent, use r / 100 instead of r.",
+        "When growth applies for a year, use D0 * (1 + g) instead of D0.",
+        "When the task asks for 2 decimals, write round(x, 2) rather than x.",
+    ):
+        assert not contradicts_itself(rule), rule
+
+
 def test_a_bullet_that_only_repeats_the_formula_its_task_states_is_a_restatement() -> None:
     task = (
         "Use formula Current Ratio to answer the question. Answer with a numerical answer with 2 "

@@ -19,8 +19,9 @@ is counted by reason in the version's stats (``UpdateStats.skipped``):
   "0.1040, not 10.4", one training task's answer. A bullet whose formula the task itself
   states (every operator and the words beside it are in the task: ACE's Formula tasks quote
   their formula) is no lesson either.
-- ``contradicts_itself``: "the formula should be A, not A": the fix and the error are the same
-  words (a 1.5B reflector wrote this on about one trace in five, mostly on successes).
+- ``contradicts_itself``: "the formula should be A, not A" or "use A instead of A": the fix
+  and the error are the same words (a 1.5B reflector wrote this on about one trace in five,
+  mostly on successes).
 - ``too_long``: longer than ``learning.max_bullet_chars`` (a lesson is a rule, not a document:
   one trace must not fill the prompt of every agent of its key).
 - ``policy``: it matches a pattern of the content policy: ``DEFAULT_POLICY`` (on unless
@@ -179,6 +180,8 @@ _NARRATION = re.compile(
     r"|\bwe\b|\blet(?:'s| us)\b",
     re.IGNORECASE,
 )
+# "use A instead of B" / "A rather than B": the same correction with the fix first.
+_INSTEAD = re.compile(r"([^.;:]{1,200}?)\s+(?:instead of|rather than)\s+([^.;,]{1,200})")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(\"'`])")
 # An UPDATE keeps a bullet's meaning when it keeps this share of its content words.
 KEPT_MEANING: Final = 0.7
@@ -379,6 +382,17 @@ def contradicts_itself(text: str) -> bool:
     for match in _NOT_X.finditer(text):
         right, wrong = _symbols(match.group(1)), _symbols(match.group(2))
         if right and wrong and (right == wrong or wrong in right):
+            return True
+    # "Always use the correct operator '×' instead of '×'" (a 1.5B curator's bullet of the
+    # twenty-first run, 2026-12-07). Only equal sides count here, once the generic words are
+    # gone: the left side runs back to the clause's start, so "is expressed as a decimal
+    # (0.10 instead of 10%)" holds the right side's digits and is a real rule.
+    for match in _INSTEAD.finditer(text):
+        right, wrong = (
+            " ".join(w for w in _symbols(side).split() if w not in GENERIC and w != "operator")
+            for side in (match.group(1).rsplit(",", 1)[-1], match.group(2))
+        )
+        if wrong and right.endswith(wrong) and right[: -len(wrong)].strip() in ("", "use"):
             return True
     return False
 
