@@ -32,7 +32,11 @@ def register(sub: Any) -> None:
             "The agent's endpoint is the config's llm.agent role (or OPENAI_BASE_URL)."
         ),
     )
-    parser.add_argument("--tasks", required=True, help="generated[:SEED], formula:PATH, ... (PATH@N skips its first N rows)")
+    parser.add_argument(
+        "--tasks",
+        required=True,
+        help="generated[:SEED], formula:PATH, ... (PATH@N skips its first N rows)",
+    )
     parser.add_argument("--limit", type=int, default=None, help="the first N tasks")
     parser.add_argument("--key", default=None, help="the prompt key (with --version)")
     parser.add_argument("--version", type=int, default=None, help="a version on the topic")
