@@ -392,7 +392,7 @@ def contradicts_itself(text: str) -> bool:
             " ".join(w for w in _symbols(side).split() if w not in GENERIC and w != "operator")
             for side in (match.group(1).rsplit(",", 1)[-1], match.group(2))
         )
-        if wrong and right.endswith(wrong) and right[: -len(wrong)].strip() in ("", "use"):
+        if wrong and right == wrong:
             return True
     return False
 

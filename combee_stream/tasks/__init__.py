@@ -38,7 +38,7 @@ def load_tasks(source: str, *, limit: int | None = None) -> list[Task]:
     if not at or not skip.isdigit():  # no "@N" suffix: the whole argument is the path
         path, skip = arg, "0"
     tasks = reader(Path(path))[int(skip) :]
-    if not tasks:
+    if not tasks and int(skip):
         raise UserError(f"--tasks {source!r}: no rows left after skipping {skip}")
     return tasks[:limit] if limit else tasks
 
