@@ -738,3 +738,26 @@ def test_prompts_are_stable_first_so_a_prefix_cache_reuses_them() -> None:
         key="k", trace_id="t", task="What is 2 + 2?", output="4", feedback=Feedback(passed=True)
     )
     assert reflector_messages(prompts, first, trace) == reflector_messages(prompts, second, trace)
+
+
+def test_the_agent_prompt_is_stable_first_so_two_playbooks_share_its_instructions() -> None:
+    """The lesson check and the replay gate ask the same tasks under several playbooks at once:
+    the agent's prompts for two playbooks must agree on the instructions and part only where
+    the playbooks do, and the question must come after every playbook line."""
+    from combee_stream.evaluation.answerer import Answerer
+
+    agent = Answerer(None)  # type: ignore[arg-type]  # messages() needs no client
+    parent = agent.messages("[calc-00001] When A, do B.", "What is 2 + 2?")
+    child = agent.messages("[calc-00001] When A, do B.\n[calc-00002] When C, do D.", "What?")
+    a, b = parent[0]["content"], child[0]["content"]
+    common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    assert a[:common].endswith("When A, do B.\n")  # they part where the second playbook grows
+    for words in ('"reasoning"', '"bullet_ids"', '"expression"', '"final_answer"'):
+        assert a.index(words) < a.index("<playbook>"), words  # every instruction first
+    for messages in (parent, child):
+        assert [m["role"] for m in messages] == ["system", "user"]
+        assert "<playbook>" not in messages[1]["content"]  # the user turn is the question alone
+        assert "<question>" in messages[1]["content"]
+    # The base arm's empty playbook sends the same instructions, as every arm does.
+    empty = agent.messages("", "What is 2 + 2?")[0]["content"]
+    assert empty[: empty.index("<playbook>")] == a[: a.index("<playbook>")]

@@ -47,7 +47,7 @@ from combee_stream.agent.recorder import RunRecorder
 from combee_stream.bench.report import Target, document, table
 from combee_stream.config import Config, GateConfig
 from combee_stream.core.playbook import render
-from combee_stream.evaluation.answerer import Answerer
+from combee_stream.evaluation.answerer import TEMPLATE_DIGEST, Answerer
 from combee_stream.evaluation.run import EvalResult, TaskOutcome, compare, evaluate
 from combee_stream.evaluation.stats import Paired
 from combee_stream.llm import EMBEDDINGS, LLMCallError, LLMClient
@@ -473,7 +473,8 @@ async def _evaluated(
     every invocation's that answered some of them (``phases.json``), not this one's only: a
     rerun that reuses a finished evaluation reports what it took. Returned with those
     invocations (``invocation`` is this one's start)."""
-    identity = "\n".join([config.llm.agent.model, prompt])
+    # The agent's templates are part of what answered: a rerun under new ones asks again.
+    identity = "\n".join([config.llm.agent.model, TEMPLATE_DIGEST, prompt])
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
     name = f"eval-{label}-{digest}"
     path = out / f"{name}.jsonl"

@@ -7,6 +7,7 @@ own final answer). One structured LLM call per task, through any OpenAI-compatib
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Final
 
@@ -19,19 +20,17 @@ from combee_stream.llm import ChatMessage, LLMClient
 # Every arm sends this same system message, the playbook empty or not: with no system message
 # a chat template adds its own default one (Qwen's does), and the base arm would then differ
 # from the learned arms in more than the playbook.
+# Stable first, variable last (issue 17): the instructions come before the playbook and the
+# question comes alone in the user turn, so a prompt cache (llama-server's slots and host cache,
+# a hosted API's prompt caching) reuses the instructions across playbooks: the lesson check and
+# the replay gate ask the same tasks under several playbooks at once. With the instructions
+# after the playbook (as before 2026-12-07), only about 30 tokens of each agent prompt came
+# before the first byte that differs between two playbooks.
 SYSTEM: Final = """\
 You answer questions exactly, with a calculator. Your playbook holds lessons learned from \
-earlier tasks of this kind.
+earlier tasks of this kind: use them where they apply.
 
-<playbook>
-{playbook}
-</playbook>"""
-EMPTY_PLAYBOOK: Final = "(empty: no lessons learned yet)"
-
-INSTRUCTIONS: Final = """\
-Answer the question below. Use the playbook in your instructions where it applies: it holds \
-lessons learned from earlier tasks of this kind.
-
+For each question:
 1. In "reasoning", work out step by step which formula and which conventions apply (units, \
 percent or fraction, periods, signs, rounding), and how the playbook's lessons apply.
 2. In "bullet_ids", list the ids of the playbook bullets you used (such as "calc-00012"); an \
@@ -41,9 +40,20 @@ empty list if none.
 it exactly: do not compute it yourself. Leave it empty when the answer is not a number.
 4. In "final_answer", give the answer itself (the number, or the text asked for).
 
+<playbook>
+{playbook}
+</playbook>"""
+EMPTY_PLAYBOOK: Final = "(empty: no lessons learned yet)"
+
+QUESTION: Final = """\
+Answer this question.
+
 <question>
 {question}
 </question>"""
+
+# Names the templates above: answers saved by a benchmark under other templates are not reused.
+TEMPLATE_DIGEST: Final = hashlib.sha256(f"{SYSTEM}\n{QUESTION}".encode()).hexdigest()[:12]
 
 
 class AgentOutput(Struct):
@@ -90,7 +100,7 @@ class Answerer:
         # The question is untrusted text too: it cannot end its block.
         return [
             {"role": "system", "content": SYSTEM.format(playbook=playbook)},
-            {"role": "user", "content": INSTRUCTIONS.format(question=fence(question))},
+            {"role": "user", "content": QUESTION.format(question=fence(question))},
         ]
 
     async def answer(self, system_prompt: str, question: str) -> Answer:
@@ -119,8 +129,9 @@ class Answerer:
 
 __all__ = [
     "EMPTY_PLAYBOOK",
-    "INSTRUCTIONS",
+    "QUESTION",
     "SYSTEM",
+    "TEMPLATE_DIGEST",
     "AgentOutput",
     "Answer",
     "Answerer",
