@@ -28,7 +28,7 @@ from combee_stream.llm import (
     MissingEndpointError,
     Role,
 )
-from combee_stream.llm.memo import CompletionMemo, MemoEntry
+from combee_stream.llm.memo import CompletionMemo, MemoEntry, endpoint_identity
 from combee_stream.llm.structured import (
     bound_schema,
     decode_reply,
@@ -374,6 +374,32 @@ async def test_memo_survives_restart_with_torn_last_line(
     lines = memo_path.read_bytes().splitlines()
     assert len(lines) == 3 and all(json.loads(line)["key"] for line in lines)
     assert len(CompletionMemo(memo_path)) == 3
+
+
+async def test_memo_outlives_a_local_server_restarted_on_another_port(tmp_path: Path) -> None:
+    # `bench quality --local` starts its model on a free port each run: a resumed run must
+    # still find the calls it paid for.
+    memo_path = tmp_path / "completions.jsonl"
+    async with sim_server(SimSettings(), host="127.0.0.1", port=0) as first:
+        config = llm_config(first.base_url, memo_path=str(memo_path))
+        async with LLMClient(config, env={}, retry=FAST) as llm:
+            before = await llm.complete("reflector", reflector_messages(12), ReflectorOutput)
+    async with sim_server(SimSettings(), host="127.0.0.1", port=0) as second:
+        assert second.base_url != first.base_url
+        config = llm_config(second.base_url, memo_path=str(memo_path))
+        async with LLMClient(config, env={}, retry=FAST) as llm:
+            after = await llm.complete("reflector", reflector_messages(12), ReflectorOutput)
+        assert role_stats(second, "reflector").get("requests", 0) == 0
+    assert after.cached and after.value == before.value
+
+
+def test_memo_keys_keep_the_port_of_a_remote_endpoint() -> None:
+    assert endpoint_identity("http://127.0.0.1:33661/v1") == "http://127.0.0.1/v1"
+    assert endpoint_identity("http://localhost:8080/v1") == "http://localhost/v1"
+    assert endpoint_identity("http://[::1]:9/v1") == "http://[::1]/v1"
+    # Elsewhere the port may be all that tells two providers of one model name apart.
+    assert endpoint_identity("http://10.0.0.5:8000/v1") == "http://10.0.0.5:8000/v1"
+    assert endpoint_identity("https://api.openai.com/v1") == "https://api.openai.com/v1"
 
 
 # --------------------------------------------------------------------------- faults at scale

@@ -31,7 +31,7 @@ from combee_stream.llm import checks
 from combee_stream.llm.chat import ChatCall
 from combee_stream.llm.embeddings import embed
 from combee_stream.llm.endpoints import Endpoints
-from combee_stream.llm.memo import CompletionMemo, MemoEntry, request_key
+from combee_stream.llm.memo import CompletionMemo, MemoEntry, endpoint_identity, request_key
 from combee_stream.llm.structured import bound_schema, output_schema
 from combee_stream.llm.transport import LLMCallError, Transport
 from combee_stream.llm.types import ROLES, ChatMessage, Completion, Role, RoleUsage
@@ -114,7 +114,7 @@ class LLMClient:
             {
                 "role": role,
                 "model": rc.model,
-                "base_url": endpoint.base_url,
+                "base_url": endpoint_identity(endpoint.base_url),
                 "temperature": rc.temperature,
                 "max_tokens": rc.max_tokens,
                 "mode": rc.mode,

@@ -13,10 +13,12 @@ its entry instead of paying for the same call.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, BinaryIO
+from urllib.parse import urlsplit
 
 import anyio
 import msgspec
@@ -40,6 +42,24 @@ class MemoEntry(msgspec.Struct, frozen=True, kw_only=True):
 def request_key(request: dict[str, Any]) -> str:
     """sha256 over canonical JSON (sorted keys, no whitespace) of everything that shapes a reply."""
     return hashlib.sha256(msgspec.json.encode(request, order="sorted")).hexdigest()
+
+
+def endpoint_identity(base_url: str) -> str:
+    """What names an endpoint in a memo key: its URL, without the port when it is on this
+    machine. A local model server is started on a free port each run (``bench quality --local``,
+    the tests' simulator), so a key holding the port made every resumed run miss its whole memo:
+    a rerun of a real 1.5B ``bench quality`` (2026-12-07) asked the reflector again for traces
+    it had already reflected on. On this machine the model name in the key tells servers apart;
+    elsewhere the host and port do (two providers may serve one model name)."""
+    parts = urlsplit(base_url)
+    host = parts.hostname or ""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback or parts.port is None:
+        return base_url
+    return parts._replace(netloc=f"[{host}]" if ":" in host else host).geturl()
 
 
 _decoder = msgspec.json.Decoder(MemoEntry)
@@ -152,4 +172,4 @@ class CompletionMemo:
         log.info("llm.memo.loaded", path=str(path), entries=len(self._entries))
 
 
-__all__ = ["CompletionMemo", "MemoEntry", "request_key"]
+__all__ = ["CompletionMemo", "MemoEntry", "endpoint_identity", "request_key"]
