@@ -112,6 +112,27 @@ def test_bullets_that_help_alone_are_kept_together_only_if_together_they_help_mo
     assert verdict.report is not None and verdict.report.candidate == 1.0
 
 
+def test_on_a_tie_the_bullet_showing_a_worked_example_is_joined_first() -> None:
+    # Both fix the same two failures alone and nothing more together: one is crowded out, and
+    # it is the rule alone, although it comes first in the playbook.
+    shown = Bullet(
+        id="npv",
+        content="When computing a ratio, round it as asked. Example: write round(3 / 4, 2), not 3 / 4",
+    )
+    rule, npv, both = frozenset({"rule"}), frozenset({"npv"}), frozenset({"rule", "npv"})
+    fixes = {"t0", "t1"}
+    asked: list[frozenset[str]] = []
+    verdict = review(
+        joint_stub({rule: fixes, npv: fixes, both: fixes}, asked), candidate(RULE, shown)
+    )
+    assert verdict.accepted and verdict.blame == ["rule"]
+    assert "beside npv" in verdict.reason
+    # Without the example the playbook's order decides, as before.
+    plain = Bullet(id="npv", content="When computing a ratio, round it as asked.")
+    verdict = review(joint_stub({rule: fixes, npv: fixes, both: fixes}, []), candidate(RULE, plain))
+    assert verdict.blame == ["npv"]
+
+
 def test_what_cannot_be_tried_is_not_judged() -> None:
     gate = stub({})  # nothing is ever right
     # A bullet whose sources carry no failed task with a reference answer: not judged.

@@ -7,8 +7,8 @@ parent itself still answers wrong are the test. A bullet that fixes none of them
 the learner's blame-prune reviews the candidate without it. A bullet with no such task to try
 (lessons from traces without a reference answer, an earlier window's waiting lesson, a merged
 bullet whose text is new) is not judged and stays. When several new bullets each fixed a
-failure alone, they are then joined one at a time, most fixes first, on all the window's
-failures the parent still fails: a bullet that adds no fix beside those kept before it is
+failure alone, they are then joined one at a time, most fixes first (on a tie, one with a
+worked example before a rule alone), on all the window's failures the parent still fails: a bullet that adds no fix beside those kept before it is
 blamed too (a small agent can follow each of two rules alone and neither beside the other).
 
 Why (a choice the paper leaves open): ACE and Combee keep whatever the curator writes, and a
@@ -46,7 +46,7 @@ from combee_stream.config import GateConfig
 from combee_stream.core.commit import without
 from combee_stream.core.gate import Candidate, Verdict
 from combee_stream.core.holdout import gated
-from combee_stream.core.hygiene import content_words
+from combee_stream.core.hygiene import content_words, rule_of
 from combee_stream.core.playbook import find_bullet, normalize, render
 from combee_stream.evaluation.replay import Evaluator, Score, evaluator_from_config
 from combee_stream.llm import LLMCallError, LLMClient
@@ -149,7 +149,18 @@ class LessonGate:
         failing = [t for t in distinct.values() if before[t.trace_id] < 1.0]
         n = len(distinct)
         mended = len({t.trace_id for b in plan for t in fixed[b]})
-        helped = sorted((b for b in plan if fixed[b]), key=lambda b: -len(fixed[b]))
+        # Most fixes first; on a tie, a bullet with a worked example before a rule alone. The
+        # example's calculation passed the agent's own calculator and scorer for its task (the
+        # rule's text was checked by nothing), and a small agent copies an example's shape
+        # where it ignores a rule. In the twenty-second real run (2026-12-07) a DDM rule
+        # showing "round(0.75 / (0.15 - 0.06), 2)" and an APR rule saying "round to 2 decimal
+        # places" each fixed 2 failures; the rule, first in the playbook, was kept, and the
+        # example crowded out. Naive's learner kept the same example, and with it the agent
+        # rounded 98 of 100 held-out answers.
+        helped = sorted(
+            (b for b in plan if fixed[b]),
+            key=lambda b: (-len(fixed[b]), rule_of(_text(candidate, b)) == _text(candidate, b)),
+        )
         joined = helped
         if len(helped) > 1:
             try:
