@@ -117,7 +117,7 @@ def test_on_a_tie_the_bullet_showing_a_worked_example_is_joined_first() -> None:
     # it is the rule alone, although it comes first in the playbook.
     shown = Bullet(
         id="npv",
-        content="When computing a ratio, round it as asked. Example: write round(3 / 4, 2), not 3 / 4",
+        content="When computing a ratio, round as asked. Example: write round(3 / 4, 2), not 3 / 4",
     )
     rule, npv, both = frozenset({"rule"}), frozenset({"npv"}), frozenset({"rule", "npv"})
     fixes = {"t0", "t1"}

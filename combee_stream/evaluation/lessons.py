@@ -8,8 +8,9 @@ the learner's blame-prune reviews the candidate without it. A bullet with no suc
 (lessons from traces without a reference answer, an earlier window's waiting lesson, a merged
 bullet whose text is new) is not judged and stays. When several new bullets each fixed a
 failure alone, they are then joined one at a time, most fixes first (on a tie, one with a
-worked example before a rule alone), on all the window's failures the parent still fails: a bullet that adds no fix beside those kept before it is
-blamed too (a small agent can follow each of two rules alone and neither beside the other).
+worked example before a rule alone), on all the window's failures the parent still fails: a
+bullet that adds no fix beside those kept before it is blamed too (a small agent can follow
+each of two rules alone and neither beside the other).
 
 Why (a choice the paper leaves open): ACE and Combee keep whatever the curator writes, and a
 real 1.5B curator writes rules that sound right and change nothing: "use the correct formula
