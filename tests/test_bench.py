@@ -277,6 +277,33 @@ def test_quality_report_warns_when_arms_were_evaluated_apart() -> None:
     )
 
 
+def test_quality_report_lists_what_each_arm_did_not_serve_with_its_text() -> None:
+    from combee_stream.bench.quality import PromptRow, _not_served
+    from combee_stream.offline import LeftOutReport
+
+    def row(prompt: str, *out: LeftOutReport) -> PromptRow:
+        return PromptRow(
+            prompt=prompt, accuracy=0.5, ci95=(0.4, 0.6), correct=50, n=100, by_family={},
+            not_served=list(out),
+        )  # fmt: skip
+
+    long = "When valuing a stock with the DDM, divide next year's dividend. " * 10
+    text = _not_served(
+        [
+            row("base"),
+            row("combee", LeftOutReport("k", 2, "lessons", long)),
+            row("naive", LeftOutReport("k", 3, "restates_task", "When pricing a bond, discount.")),
+        ]
+    )
+    assert "combee:\n\n- v2, lessons: When valuing a stock with the DDM" in text
+    assert "naive:\n\n- v3, restates_task: When pricing a bond, discount." in text
+    assert "base:" not in text
+    # A long proposal is cut to a line a person reads, whole words and a mark that it was cut.
+    [line] = [x for x in text.splitlines() if "lessons" in x]
+    assert line.endswith("[...]") and len(line) < len(long)
+    assert _not_served([row("base"), row("combee")]) == ""
+
+
 def test_quality_phases_forget_an_evaluation_whose_answers_were_deleted() -> None:
     """Deleting an arm's answers file makes the next invocation answer every task again: the
     earlier invocations' time and names no longer describe those answers (the twentieth run's

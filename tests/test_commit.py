@@ -13,7 +13,7 @@ from combee_stream.config import LearningConfig
 from combee_stream.core.commit import Commit, Review
 from combee_stream.core.gate import AcceptAll, Candidate, Verdict
 from combee_stream.core.playbook import ApplyResult, SkippedOp, apply, new_playbook
-from combee_stream.core.results import Proposal, WindowResult, WindowStats
+from combee_stream.core.results import LeftOut, Proposal, WindowResult, WindowStats
 from combee_stream.schemas import (
     AddOp,
     BudgetRejection,
@@ -149,6 +149,8 @@ def test_the_gate_blame_is_pruned_and_the_rest_reviewed_again() -> None:
     result = run(["poison rule", "good rule"], gate)
     assert gate.shown == [["poison rule", "good rule"], ["good rule"]]
     assert result.rejection is None and bullets(result.playbook) == ["good rule"]
+    # Its text is in no version: the window's result carries it for a report.
+    assert result.left_out == [LeftOut(poison_id, "poison rule", "recording")]
 
 
 def test_a_blame_of_every_new_bullet_is_still_reported() -> None:
@@ -179,6 +181,7 @@ def test_the_report_of_the_second_look_names_the_gate_whose_blame_left_bullets_o
     assert result.report is not None and result.report.gate == "replay"
     assert result.report.pruned == [blamed.added[0]] and result.report.pruned_by == "lessons"
     assert result.report.left_out() == "left out 1 new bullet(s) the lessons gate blamed"
+    assert result.left_out == [LeftOut(blamed.added[0], "vague rule", "lessons")]
 
 
 def test_what_the_blame_leaves_waits_when_the_second_review_cannot_judge_yet() -> None:
@@ -272,6 +275,9 @@ def test_a_refused_candidate_after_a_deferral_keeps_the_earlier_windows_lessons_
     assert (
         result.report.left_out() == "left out 1 new bullet(s) of one part (the whole was refused)"
     )
+    assert result.left_out == [
+        LeftOut(left, "scale every amount by a million", "recording (split)")
+    ]
 
 
 def test_then_this_windows_lessons_alone_and_a_refusal_of_both_parts_keeps_nothing() -> None:

@@ -581,6 +581,54 @@ def test_a_gate_of_ones_own_is_consulted_for_every_window(tmp_path: Path) -> Non
     assert all(not s.bullets for s in load_playbooks(tmp_path / "out")["sim-k0"].sections)
 
 
+class BlameFirst:
+    """A gate that leaves out the first new bullet of each window's candidate and passes the
+    rest (its second look, without that bullet)."""
+
+    name = "blame_first"
+
+    def __init__(self) -> None:
+        self.blamed: list[str] = []
+        self.parents: set[int] = set()
+
+    async def review(self, candidate: Candidate) -> Verdict:
+        old = {b.id for s in candidate.parent.sections for b in s.bullets}
+        new = [b for s in candidate.playbook.sections for b in s.bullets if b.id not in old]
+        if not new or candidate.parent.version in self.parents:
+            return Verdict(accepted=True)
+        self.parents.add(candidate.parent.version)
+        self.blamed.append(new[0].content)
+        return Verdict(accepted=True, blame=[new[0].id])
+
+
+def test_the_learn_report_keeps_the_text_of_what_was_not_served_across_a_resume(
+    tmp_path: Path,
+) -> None:
+    traces = generate_traces(16, keys=1, lessons=16, seed=6)
+    first, out = write_traces(tmp_path / "first.jsonl", traces[:8]), tmp_path / "out"
+    gate = BlameFirst()
+    anyio.run(lambda: learn(SimSettings(seed=6), first, out, batch_size="4", gate=gate))
+    report, _ = anyio.run(
+        lambda: learn(
+            SimSettings(seed=6),
+            write_traces(tmp_path / "all.jsonl", traces),
+            out,
+            batch_size="4",
+            gate=gate,
+            resume=True,
+        )
+    )
+    updates = check_history(out, traces)
+    blamed = [r for r in report.left_out if r.by == "blame_first"]
+    # One a window, the first run's two kept through the resume, each with its window's version.
+    assert len(gate.blamed) == len(updates) == 4
+    assert [(r.version, r.content) for r in blamed] == list(
+        zip([1, 2, 3, 4], gate.blamed, strict=True)
+    )
+    served = {b.content for u in updates for s in u.playbook.sections for b in s.bullets}
+    assert not served & set(gate.blamed)
+
+
 # --------------------------------------------------------------------------- prompts
 
 

@@ -35,7 +35,8 @@ import secrets
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from textwrap import shorten
+from typing import Any, Final
 
 import anyio
 import httpx2
@@ -51,7 +52,7 @@ from combee_stream.evaluation.answerer import TEMPLATE_DIGEST, Answerer
 from combee_stream.evaluation.run import EvalResult, TaskOutcome, compare, evaluate
 from combee_stream.evaluation.stats import Paired
 from combee_stream.llm import EMBEDDINGS, LLMCallError, LLMClient
-from combee_stream.offline import LearnReport
+from combee_stream.offline import LearnReport, LeftOutReport
 from combee_stream.offline.store import OutputDir
 from combee_stream.progress import PhaseProgress
 from combee_stream.schemas import Playbook, PromptUpdate, Trace, decode, encode
@@ -126,6 +127,7 @@ class PromptRow(Struct, kw_only=True):
     gate_refused: int = 0  # windows the token budget or the gate refused
     published_worse: int = 0  # versions published that answered fewer held-out tasks
     left_out: int = 0  # new bullets the gate blamed and left out of a published version
+    not_served: list[LeftOutReport] = []  # the learn report's proposals not served, with text
     removes_applied: int = 0
     learn_wall_s: float = 0.0
     capacity_share: float = 0.0  # learner output tokens / (wall x parallel capacity)
@@ -435,6 +437,7 @@ def _learned(
         now = {b.id for sec in update.playbook.sections for b in sec.bullets}
         row.removes_applied += len(before - now)  # removed, or merged by consolidation
         before = now
+    row.not_served = report.left_out
     usage = report.per_role.values()
     row.bullets = sum(len(sec.bullets) for sec in playbook.sections)
     row.near_duplicates = near_duplicate_bullets(playbook)
@@ -690,6 +693,26 @@ def _per_arm(title: str, by_arm: dict[str, dict[str, Any]]) -> str:
     return f"{title}: {arms}."
 
 
+def _not_served(rows: Sequence[PromptRow]) -> str:
+    """Each arm's proposals the learner did not serve, with why and (the start of) their text:
+    what the learner left out is the first thing to read when an arm misses a lesson."""
+    parts = []
+    for r in rows:
+        if r.not_served:
+            lines = [
+                f"- v{n.version}, {n.by}: {shorten(n.content, _SHOWN_CHARS)}" for n in r.not_served
+            ]
+            parts.append(f"{r.prompt}:\n\n" + "\n".join(lines))
+    if not parts:
+        return ""
+    return "\n\nProposals not served (by the gate's blame or the review's reason):\n\n" + (
+        "\n\n".join(parts)
+    )
+
+
+_SHOWN_CHARS: Final = 200
+
+
 def markdown(report: QualityReport) -> str:
     rows = []
     for r in report.results:
@@ -779,7 +802,7 @@ def markdown(report: QualityReport) -> str:
     return document(
         "Quality: held-out accuracy of the agent, base prompt vs learned playbooks",
         preamble,
-        body + "\n\nCorrect per task family:\n\n" + by_family,
+        body + "\n\nCorrect per task family:\n\n" + by_family + _not_served(report.results),
         report.targets,
         [note for note in report.notes if note],
         llm=f"Real model: {s.model}. Nothing in this table is simulated.",

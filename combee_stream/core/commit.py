@@ -36,7 +36,7 @@ consolidation, its gate and its size bound.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 
 import anyio
@@ -54,7 +54,7 @@ from combee_stream.core.playbook import (
     normalize,
     playbook_tokens,
 )
-from combee_stream.core.results import Proposal, WindowResult, WindowStats
+from combee_stream.core.results import LeftOut, Proposal, WindowResult, WindowStats
 from combee_stream.logs import get_logger
 from combee_stream.schemas import (
     AddOp,
@@ -151,6 +151,7 @@ class Commit:
         self._report: GateReport | None = None
         self._fallbacks: list[Delta] = []
         self._waiting: set[str] = set()  # normalized ADDs earlier windows left with the gate
+        self._left_out: list[LeftOut] = []  # new bullets the gate's review left out
 
     async def run(self) -> WindowResult:
         started = anyio.current_time()
@@ -284,8 +285,10 @@ class Commit:
             if second.deferred:
                 # A gate chain's first gate blamed bullets and the next cannot judge yet: the
                 # rest waits, as an unblamed window's would.
+                self._note_left_out(result, verdict.blame, by)
                 return self._deferred(pruned, second)
             if second.accepted:
+                self._note_left_out(result, verdict.blame, by)
                 result, verdict = pruned, second
         if not verdict.accepted:
             result, verdict = await self._split(result, verdict)
@@ -332,6 +335,7 @@ class Commit:
             if second.accepted:
                 log.info("gate passed a part of the refused candidate", key=self._onto.key,
                          left_out=len(left_out), kept=len(new) - len(left_out))  # fmt: skip
+                self._note_left_out(result, sorted(left_out), f"{self._gate.name} (split)")
                 return part, second
         return result, verdict
 
@@ -356,6 +360,12 @@ class Commit:
                 report, pruned=left_out, split=split, pruned_by=by
             )
         return narrowed_to(result, part), verdict
+
+    def _note_left_out(self, result: ApplyResult, bullet_ids: Iterable[str], by: str) -> None:
+        for bullet_id in bullet_ids:
+            bullet = find_bullet(result.playbook, bullet_id)
+            if bullet is not None:
+                self._left_out.append(LeftOut(bullet_id, bullet.content, by))
 
     def _fallen_back(self, result: ApplyResult, applied_delta: Delta) -> tuple[ApplyResult, Delta]:
         """The first fallback that applies within the budget (tags + provenance, provenance)."""
@@ -410,6 +420,7 @@ class Commit:
             stats=self._stats, rejection=self._rejection if final else None,
             held_out=list(self._held_out), holdout=self._holdout,
             report=self._report if final else None,
+            left_out=list(self._left_out) if final else [],
         )  # fmt: skip
 
     def _size(self, applied: ApplyResult, applied_delta: Delta) -> int:
@@ -485,7 +496,7 @@ def size_rejected(
         playbook=bumped.playbook, delta=provenance, proposed=result.proposed, applied=bumped,
         failed=result.failed, reflections=result.reflections, stats=stats,
         rejection=SizeRejection(limit=limit, would_be=would_be), held_out=result.held_out,
-        holdout=holdout, report=result.report,
+        holdout=holdout, report=result.report, left_out=result.left_out,
     )  # fmt: skip
 
 

@@ -62,6 +62,18 @@ class WindowStats(Struct):
     consolidation: Consolidation | None = None
 
 
+class LeftOut(Struct, frozen=True):
+    """A new bullet of the window that the gate's review left out of the version: its text is
+    in no version, so this is where a report finds it."""
+
+    bullet_id: str
+    content: str
+    # The gate whose blame left it out ("lessons": it fixed none of its failures or nothing
+    # beside the bullets kept; "replay": cited on held-out tasks answered wrong), or
+    # "<gate> (split)": this window's or the earlier windows' part of a refused candidate.
+    by: str
+
+
 class Proposal(Struct):
     """A window's merged delta (tags, operations, provenance) computed on one snapshot."""
 
@@ -97,6 +109,7 @@ class WindowResult(Struct):
     held_out: list[Source] = []  # the window's traces kept out of learning (the replay gate)
     holdout: Holdout | None = None  # the key's held-out tasks as of this version
     report: GateReport | None = None  # what the replay gate measured
+    left_out: list[LeftOut] = []  # new bullets the gate's review left out of this version
 
     @property
     def learned(self) -> list[Source]:
@@ -109,4 +122,4 @@ class WindowResult(Struct):
         return [*self.learned, *self.held_out]
 
 
-__all__ = ["FailedTrace", "Proposal", "UpdateSize", "WindowResult", "WindowStats"]
+__all__ = ["FailedTrace", "LeftOut", "Proposal", "UpdateSize", "WindowResult", "WindowStats"]

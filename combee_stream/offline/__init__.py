@@ -1,6 +1,6 @@
 """Offline learning over a file: the engine's key pipelines with a file source and sink."""
 
-from combee_stream.offline.run import FailedTraceReport, LearnReport, run_learn
+from combee_stream.offline.run import FailedTraceReport, LearnReport, LeftOutReport, run_learn
 from combee_stream.offline.source import BadLine, TraceFile, read_traces
 from combee_stream.offline.store import History, OutputDir
 
@@ -9,6 +9,7 @@ __all__ = [
     "FailedTraceReport",
     "History",
     "LearnReport",
+    "LeftOutReport",
     "OutputDir",
     "TraceFile",
     "read_traces",

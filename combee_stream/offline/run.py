@@ -23,6 +23,7 @@ stops early, with ``"complete": false``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from collections.abc import Mapping, Sequence
@@ -47,7 +48,7 @@ from combee_stream.llm import LLMClient, RoleUsage
 from combee_stream.offline.source import BadLine, read_traces
 from combee_stream.offline.store import History, OutputDir
 from combee_stream.progress import PhaseProgress
-from combee_stream.schemas import Playbook, PromptUpdate, Source, Trace
+from combee_stream.schemas import AddOp, Playbook, PromptUpdate, Source, Trace, UpdateOp
 
 _SHOWN_BAD_LINES: Final = 20
 
@@ -58,6 +59,17 @@ class FailedTraceReport(Struct, frozen=True):
     attempts: int
     reason: str
     stage: str = "reflect"  # reflect | curate
+
+
+class LeftOutReport(Struct, frozen=True):
+    """A proposal the learner did not serve, with its text (which is in no version)."""
+
+    key: str
+    version: int  # the version of the window that proposed it
+    # Why: the gate whose blame left a new bullet out ("lessons", "replay", "<gate> (split)"),
+    # or the review's reason for refusing an ADD or an UPDATE (restates_task, near_duplicate...).
+    by: str
+    content: str
 
 
 class LearnReport(Struct, kw_only=True):
@@ -91,6 +103,11 @@ class LearnReport(Struct, kw_only=True):
     fan_in: int = 0
     seed: int = 0
     prompts_version: str = PROMPTS_VERSION
+    # What the learner did not serve, with its text, window by window (kept across --resume).
+    # The counts are in each version's stats; only here is the text, since no version holds it:
+    # which filter dropped a lesson was the question a real run's report could not answer
+    # (the twenty-second bench quality run, docs/benchmarks/quality-runs.md).
+    left_out: list[LeftOutReport] = []
 
 
 class FileSink:
@@ -120,9 +137,21 @@ class FileSink:
         report.learned += update.stats.window_traces
         report.rejected_windows += int(update.stats.rejection is not None)
         if window.result is not None:
-            stats = window.result.stats
+            result = window.result
+            stats = result.stats
             report.max_curator_items = max(report.max_curator_items, stats.max_curator_items)
             report.rounds += stats.rounds
+            report.left_out.extend(
+                LeftOutReport(update.key, update.version, skip.reason, skip.op.content)
+                for skip in result.applied.skipped
+                if isinstance(skip.op, AddOp | UpdateOp)
+            )
+            report.left_out.extend(
+                LeftOutReport(update.key, update.version, out.by, out.content)
+                for out in result.left_out
+            )
+        # Written every window, so an interrupted run's left-outs survive to its --resume.
+        self._out.write_report(report)
         self.chosen_sizes.append(update.stats.batch_size)
         self._progress.advance(update.stats.window_traces)
         return True
@@ -250,6 +279,13 @@ async def run_learn(
         fan_in=learning.fan_in,
         seed=learning.seed,
     )
+    if resume and out.report.is_file():
+        with contextlib.suppress(msgspec.DecodeError):
+            earlier = msgspec.json.decode(out.report.read_bytes(), type=LearnReport)
+            report.left_out = [
+                r for r in earlier.left_out
+                if (newest := history.newest.get(r.key)) and r.version <= newest.version
+            ]  # fmt: skip
     client = LLMClient(llm_config, env=env)
     progress = PhaseProgress("learn", sum(len(v) for v in by_key.values()), stream=stderr)
     sink = FileSink(out, report, progress, history.playbooks, learning.max_attempts)
@@ -296,6 +332,7 @@ __all__ = [
     "FailedTraceReport",
     "FileSink",
     "LearnReport",
+    "LeftOutReport",
     "offline_settings",
     "run_learn",
 ]
