@@ -282,13 +282,13 @@ class Commit:
         if verdict.blame:
             by = verdict.report.gate if verdict.report is not None else self._gate.name
             pruned, second = await self._reviewed_without(result, verdict.blame, by=by)
+            if second.deferred or second.accepted:
+                self._note_left_out(result, verdict.blame, by)
             if second.deferred:
                 # A gate chain's first gate blamed bullets and the next cannot judge yet: the
                 # rest waits, as an unblamed window's would.
-                self._note_left_out(result, verdict.blame, by)
                 return self._deferred(pruned, second)
             if second.accepted:
-                self._note_left_out(result, verdict.blame, by)
                 result, verdict = pruned, second
         if not verdict.accepted:
             result, verdict = await self._split(result, verdict)

@@ -47,7 +47,7 @@ from combee_stream.config import GateConfig
 from combee_stream.core.commit import without
 from combee_stream.core.gate import Candidate, Verdict
 from combee_stream.core.holdout import gated
-from combee_stream.core.hygiene import content_words, rule_of
+from combee_stream.core.hygiene import EXAMPLE_MARK, content_words
 from combee_stream.core.playbook import find_bullet, normalize, render
 from combee_stream.evaluation.replay import Evaluator, Score, evaluator_from_config
 from combee_stream.llm import LLMCallError, LLMClient
@@ -160,7 +160,7 @@ class LessonGate:
         # rounded 98 of 100 held-out answers.
         helped = sorted(
             (b for b in plan if fixed[b]),
-            key=lambda b: (-len(fixed[b]), rule_of(_text(candidate, b)) == _text(candidate, b)),
+            key=lambda b: (-len(fixed[b]), EXAMPLE_MARK not in _text(candidate, b)),
         )
         joined = helped
         if len(helped) > 1:
