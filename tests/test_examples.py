@@ -23,7 +23,7 @@ from combee_stream.core.outputs import (
 from combee_stream.core.playbook import new_playbook, normalize
 from combee_stream.evaluation.examples import example_check
 from combee_stream.llm import Completion
-from combee_stream.schemas import AddOp, Feedback, HeldOutTask, Source, Trace
+from combee_stream.schemas import AddOp, Feedback, HeldOutTask, Source, Step, Trace
 from combee_stream.sim import SimSettings, sim_server
 from combee_stream.wiring import load_prompts
 
@@ -304,3 +304,46 @@ def test_an_example_still_wrong_when_re_asked_leaves_the_rule_alone() -> None:
     llm = Scripted(GPM_WRONG, "130000 - 66000 / 130000")
     _, result = learn(llm, [gpm_trace()], worked_examples=True)
     assert result.stats.example_calls == 1 and result.stats.examples == 1
+
+
+# ACE Formula's WACC row of the twenty-fourth real run: the agent's calculation was right to
+# 0.03436 where 2 decimal places were asked, and the 1.5B exemplifier answered with the results.
+WACC = (
+    "A business has assets funded by $300,000 equity and $200,000 debt. They pay 4% on equity "
+    "and 3.5% on debt with a 26% tax rate. What is their WACC? Answer with a numerical answer "
+    "with 2 decimal places."
+)
+WACC_CALC = "(300000/500000) * 0.04 + (200000/500000) * 0.035 * (1 - 0.26)"
+
+
+def calculated(trace: Trace, *calls: str) -> Trace:
+    steps = [Step(kind="tool_call", content=c, name="calculator") for c in calls]
+    return msgspec.structs.replace(trace, steps=steps)
+
+
+def test_results_alone_give_way_to_the_agents_own_calculation_rounded() -> None:
+    wacc = calculated(failed("wacc", WACC, "0.03436", "0.03"), "0.04 * 0.6", WACC_CALC)
+    check = example_check(GateConfig(scorer="formula"))
+    _, result = learn(Scripted("0.03", "0.03436"), [wacc], check, worked_examples=True)
+    # The last calculation is the one the answer came from; no second call is paid.
+    assert bullets(result) == [f"{RULE}. Example: write round({WACC_CALC}, 2), not {WACC_CALC}"]
+    assert result.stats.example_calls == 1 and result.stats.examples == 1
+    # A calculation in the reply is checked as before, the agent's not consulted.
+    _, result = learn(Scripted(GPM_RIGHT, "0.03436"), [wacc], check, worked_examples=True)
+    assert bullets(result) == [f"{RULE}."] and result.stats.wrong_examples == 1
+
+
+def test_the_agents_calculation_is_no_example_unless_rounding_alone_makes_it_right() -> None:
+    check = example_check(GateConfig(scorer="formula"))
+    for trace in (
+        failed("wacc", WACC, "0.03436", "0.03"),  # no tool call kept
+        calculated(failed("wacc", WACC, "0.034", "0.03"), "0.04 * 0.6 + 0.4 * 0.035"),  # wrong
+        calculated(failed("wacc", WACC, "0.3", "0.03"), "0.03 * 1"),  # right as it was written
+    ):
+        _, result = learn(Scripted("0.03", "0.03436"), [trace], check, worked_examples=True)
+        # The exemplifier's results then stand as they did: 0.03 is the reference answer.
+        assert bullets(result) == [f"{RULE}. Example: write 0.03, not 0.03436"], trace.steps
+    # Without a check (a user's evaluator) nothing is built either.
+    wacc = calculated(failed("wacc", WACC, "0.03436", "0.03"), WACC_CALC)
+    _, result = learn(Scripted("0.03", "0.03436"), [wacc], worked_examples=True)
+    assert bullets(result) == [f"{RULE}. Example: write 0.03, not 0.03436"]

@@ -93,6 +93,7 @@ from combee_stream.core.outputs import (
     ReflectorOutput,
     ReflectorOutputNoTags,
     WorkedExample,
+    is_calculation,
 )
 from combee_stream.core.playbook import (
     MAX_BULLET_SOURCES,
@@ -722,7 +723,8 @@ class Learner:
         (its task is untrusted text): the review would refuse the bullet whole. With
         ``check_example``, also when its calculation is still wrong for its task after one
         re-ask that says what it gives (``stats.wrong_examples``); a calculation the check
-        rounds as its task asks is shown rounded."""
+        rounds as its task asks is shown rounded, and a reply of results alone gives way to the
+        agent's own calculation when that is right once rounded."""
         failures = [rec for rec in group if rec.trace]
         out = list(operations)
         shown: dict[str, str] = {}
@@ -745,6 +747,10 @@ class Learner:
                     log.warning("worked example failed", error=str(exc))
                     return
                 if self._check_example is None or task is None:
+                    break
+                own = self._own_example(reply, record, task)
+                if own is not None:
+                    reply = own
                     break
                 checked = self._check_example(reply.calculations()[0], task)
                 if checked.problem is None:
@@ -789,6 +795,27 @@ class Learner:
                 if isinstance(op, AddOp):
                     tg.start_soon(one, i, op)
         return out, shown
+
+    def _own_example(
+        self, reply: WorkedExample, record: ReflectionRecord, task: HeldOutTask
+    ) -> WorkedExample | None:
+        """The agent's own calculation, rounded as its task asks, as the example, when the
+        exemplifier answered with a result and the agent's calculation was right but unrounded.
+        Shown "(300000/500000) * 0.04 + (200000/500000) * 0.035 * (1 - 0.26)" (a WACC row of
+        ACE, right to 0.03436 where 0.03 was asked), a real 1.5B exemplifier wrote "write 0.03,
+        not 0.03436" (the twenty-fourth run, docs/benchmarks/quality_24.md): served, that
+        example had the agent round 56 of 100 held-out answers, where the runs whose example
+        showed ``round(<calculation>, 2)`` had it round 94 to 99. What it should have shown is
+        what the check builds from the agent's calculation; an agent right without rounding
+        failed for some other reason, and then nothing is built."""
+        if self._check_example is None or is_calculation(reply.calculations()[0]):
+            return None
+        if not is_calculation(record.calculation):
+            return None
+        checked = self._check_example(record.calculation, task)
+        if checked.problem is not None or checked.calculation == record.calculation:
+            return None
+        return WorkedExample(wrong=record.calculation, right=checked.calculation)
 
     async def _call(
         self,

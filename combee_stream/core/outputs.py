@@ -59,6 +59,12 @@ _NUMBER = re.compile(r"\d+(?:\.\d+)?")
 _OPERATOR = re.compile(r"[-+*/^]")
 
 
+def is_calculation(text: str) -> bool:
+    """Whether ``text`` computes from numbers (two numbers and an operator), not a bare
+    result."""
+    return len(_NUMBER.findall(text)) >= 2 and bool(_OPERATOR.search(text))
+
+
 def _computed(chain: str) -> str:
     """The calculation of a chain of equalities: its first side that computes from numbers.
     Reference solutions write "P_0 = 2 / (0.09 - 0.05) = 2 / 0.04 = 50"; a real 1.5B
@@ -67,7 +73,7 @@ def _computed(chain: str) -> str:
     2026-12-06). The name before the first "=" and the simplifications after the calculation
     are dropped; a chain with no such side is left as it is."""
     for side in chain.split("="):
-        if len(_NUMBER.findall(side)) >= 2 and _OPERATOR.search(side):
+        if is_calculation(side):
             return side.strip()
     return chain
 
@@ -125,4 +131,5 @@ __all__ = [
     "ReflectorOutput",
     "ReflectorOutputNoTags",
     "WorkedExample",
+    "is_calculation",
 ]

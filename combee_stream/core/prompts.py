@@ -96,6 +96,10 @@ class ReflectionRecord(Struct, frozen=True):
     # may have failed and has a reference answer, when the learner writes worked examples
     # (learning.worked_examples). Not rendered for the curators.
     trace: str = ""
+    # Kept with ``trace``: the agent's last tool call on it, the calculation its answer came
+    # from. The learner's fallback when the exemplifier answers with results (outputs.py,
+    # is_calculation). Not rendered.
+    calculation: str = ""
 
     @classmethod
     def of(
@@ -114,7 +118,10 @@ class ReflectionRecord(Struct, frozen=True):
             and not (feedback.score is not None and feedback.score >= 1),
         )
         if keep_trace and record.retry is not None:
-            record = msgspec.structs.replace(record, trace=render_failure(trace))
+            calls = [step.content for step in trace.steps if step.kind == "tool_call"]
+            record = msgspec.structs.replace(
+                record, trace=render_failure(trace), calculation=calls[-1] if calls else ""
+            )
         return record
 
     @property
