@@ -118,7 +118,7 @@ class ReflectionRecord(Struct, frozen=True):
             and not (feedback.score is not None and feedback.score >= 1),
         )
         if keep_trace and record.retry is not None:
-            calls = [step.content for step in trace.steps if step.kind == "tool_call"]
+            calls = tool_calls(trace)
             record = msgspec.structs.replace(
                 record, trace=render_failure(trace), calculation=calls[-1] if calls else ""
             )
@@ -219,12 +219,18 @@ def render_trace(trace: Trace) -> str:
     return "\n".join(lines)
 
 
+def tool_calls(trace: Trace) -> list[str]:
+    """What the agent sent its tools on ``trace``, in order (on the example agent, the
+    calculations its answer came from)."""
+    return [step.content for step in trace.steps if step.kind == "tool_call"]
+
+
 def render_failure(trace: Trace) -> str:
     """A failed trace as the exemplifier reads it: the task, what the agent wrote (its tool
     calls, its answer) and the feedback. Not the ground truth alone: shown it, a 1.5B model
     gives the result where the calculation is asked for."""
     lines = [f"task: {fence(trace.task)}"]
-    calls = [step.content for step in trace.steps if step.kind == "tool_call"]
+    calls = tool_calls(trace)
     if calls:
         joined = " | ".join(fence(c) for c in calls)
         lines.append(f"the agent's calculation: {_cut(joined, STEPS_CHARS)}")
