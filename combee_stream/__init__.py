@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Final
 if TYPE_CHECKING:
     from combee_stream.config import Config, load_config
     from combee_stream.core.gate import AcceptAll, Candidate, GateChain, PublishGate, Verdict
-    from combee_stream.core.learner import Learner, WindowError
+    from combee_stream.core.learner import Learner
     from combee_stream.core.pipeline import (
         KeyPipeline,
         MemorySink,
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
         Window,
         closed_inbox,
     )
-    from combee_stream.core.results import FailedTrace
+    from combee_stream.core.results import FailedTrace, WindowError
     from combee_stream.core.versions import KeyChain, UpdateTooLarge
     from combee_stream.errors import (
         BrokerUnavailableError,
@@ -94,7 +94,7 @@ _HOMES: Final = {
     "DecodeError": "combee_stream.errors",
     "SchemaVersionError": "combee_stream.errors",
     "LLMCallError": "combee_stream.llm",
-    "WindowError": "combee_stream.core.learner",
+    "WindowError": "combee_stream.core.results",
     "UpdateTooLarge": "combee_stream.core.versions",
     "CalculatorError": "combee_stream.evaluation.calculator",
     "EngineHalted": "combee_stream.errors",

@@ -14,7 +14,7 @@ CombeeError
 ├── DecodeError                a record failed to decode or validate (also a ValueError)
 │   └── SchemaVersionError     a record names a schema version this build does not know
 ├── LLMCallError               an LLM call failed for good (llm.transport)
-├── WindowError                a window could not be reduced (core.learner)
+├── WindowError                a window could not be reduced (core.results)
 ├── UpdateTooLarge             the broker refused a version as too large (core.versions)
 ├── CalculatorError            the example agent's calculator refused an expression (evaluation)
 └── EngineHalted               the engine stopped itself; the CLI prints it, exit code 1

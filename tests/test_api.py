@@ -210,7 +210,7 @@ def test_the_package_is_typed() -> None:
 def test_every_error_the_package_defines_derives_from_the_root_and_is_in_the_tree() -> None:
     for name in errors.__all__:
         assert issubclass(getattr(errors, name), errors.CombeeError), name
-    from combee_stream.core.learner import WindowError
+    from combee_stream.core.results import WindowError
     from combee_stream.llm import LLMCallError, MissingEndpointError
 
     for error in (WindowError, LLMCallError, MissingEndpointError):

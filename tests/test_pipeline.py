@@ -14,7 +14,7 @@ import pytest
 from combee_stream.config import Config, LearningConfig
 from combee_stream.core.controller import Decision, FixedBatch
 from combee_stream.core.gate import Candidate, Verdict
-from combee_stream.core.learner import Learner, WindowError
+from combee_stream.core.learner import Learner
 from combee_stream.core.pipeline import (
     KeyPipeline,
     MemorySink,
@@ -24,7 +24,7 @@ from combee_stream.core.pipeline import (
     closed_inbox,
 )
 from combee_stream.core.prompts import ReflectionRecord
-from combee_stream.core.results import FailedTrace, Proposal, WindowStats
+from combee_stream.core.results import FailedTrace, Proposal, WindowError, WindowStats
 from combee_stream.core.versions import KeyChain
 from combee_stream.llm import LLMClient
 from combee_stream.schemas import GateRejection, Playbook, PromptUpdate, Source, Trace

@@ -98,6 +98,9 @@ from combee_stream.schemas import AddOp, Delta, Playbook, RemoveOp, UpdateOp
 NEAR_DUPLICATE_WORDS: Final = 2
 RESTATED: Final = 0.75
 MIN_WORDS: Final = 4
+# What a reflector writes for "nothing to learn", and an exemplifier for "no example", once
+# normalised (the reflector is told to answer "none" when a success needed nothing).
+NO_LESSON: Final = frozenset({"", "none", "n a", "no lesson", "nothing"})
 
 _STOP: Final = frozenset(
     "a an and are as at be by for from has have if in is it its of on or so that the this to "
@@ -505,6 +508,7 @@ __all__ = [
     "KEPT_MEANING",
     "MIN_WORDS",
     "NEAR_DUPLICATE_WORDS",
+    "NO_LESSON",
     "QUOTED_WORDS",
     "RESTATED",
     "as_rule",

@@ -10,9 +10,11 @@ One window:
    reason (the caller decides whether to retry it in a later window); it is never dropped.
 2. **Tags** — all bullet tags of the window are collected once; the curators see the snapshot
    with them applied (as the reference ACE-batch code does), the final delta carries them.
-3. **Shuffle + tree** (:mod:`combee_stream.core.scan`) on the frozen snapshot.
+3. **Shuffle + tree** (:mod:`combee_stream.core.scan`) on the frozen snapshot; each curator's
+   ADDs get their worked examples there (:mod:`combee_stream.core.worked_examples`).
 4. **Apply** the merged delta (tags, operations, provenance) with the token budget and the
-   optional semantic dedup: the commit ladder (:mod:`combee_stream.core.commit`).
+   optional semantic dedup: the commit ladder (:mod:`combee_stream.core.commit`), whose
+   consolidation is :mod:`combee_stream.core.consolidation`.
 
 ``learn_window`` = ``propose`` (steps 1-3, all the LLM work, on a frozen snapshot) + ``commit``
 (step 4). A streaming caller can propose window w+1 while window w is still in flight and commit
@@ -64,67 +66,54 @@ import hashlib
 import random
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import Final, Protocol, TypeVar
 
 import anyio
 import msgspec
 
 from combee_stream.config import Config, LearningConfig
-from combee_stream.core.commit import Commit, size_rejected, without
+from combee_stream.core.calls import LLM, LearnerCalls
+from combee_stream.core.commit import Commit, size_rejected
+from combee_stream.core.consolidation import Consolidator
 from combee_stream.core.delta import canonical, empty, merge
 from combee_stream.core.gate import AcceptAll, PublishGate
 from combee_stream.core.holdout import HoldoutPolicy
 from combee_stream.core.hygiene import (
     DEFAULT_POLICY,
-    EXAMPLE_MARK,
+    NO_LESSON,
     as_rule,
     compile_policy,
-    content_words,
     review_adds,
     review_edits,
-    text_problem,
-    violates,
     without_rendered_prefix,
 )
 from combee_stream.core.outputs import (
-    ConsolidatorOutput,
     CuratorOutput,
     ExampleCheck,
     ReflectorOutput,
     ReflectorOutputNoTags,
-    WorkedExample,
-    is_calculation,
 )
 from combee_stream.core.playbook import (
-    MAX_BULLET_SOURCES,
     ApplyResult,
     EmbedFn,
     SkippedOp,
     SkipReason,
     apply,
     apply_semantic,
-    cosine,
     covered_lessons,
-    has_formula,
     normalize,
-    playbook_tokens,
-    similar_groups,
 )
 from combee_stream.core.prompts import (
-    PromptRole,
     Prompts,
     ReflectionRecord,
     combiner_messages,
-    consolidator_messages,
     curator_messages,
-    exemplifier_messages,
-    exemplifier_retry,
     reflector_messages,
 )
 from combee_stream.core.results import (
     FailedTrace,
     Proposal,
     UpdateSize,
+    WindowError,
     WindowResult,
     WindowStats,
 )
@@ -136,8 +125,8 @@ from combee_stream.core.scan import (
     reduce_tree,
     strategy,
 )
-from combee_stream.errors import CombeeError
-from combee_stream.llm import ChatMessage, Completion, LLMCallError, LLMClient, Role
+from combee_stream.core.worked_examples import Exemplifier
+from combee_stream.llm import LLMCallError, LLMClient, Role
 from combee_stream.logs import get_logger
 from combee_stream.schemas import (
     AddOp,
@@ -150,32 +139,12 @@ from combee_stream.schemas import (
     Playbook,
     Reflection,
     RemoveOp,
-    Section,
     Source,
     Trace,
     UpdateOp,
 )
 
-T = TypeVar("T")
 log = get_logger(__name__)
-
-
-class LLM(Protocol):
-    """What the learner needs from :class:`combee_stream.llm.LLMClient`."""
-
-    async def complete(
-        self, role: Role, messages: list[ChatMessage], output_type: type[T]
-    ) -> Completion[T]: ...
-
-
-class WindowError(CombeeError):
-    """The window could not be reduced (a curator / combiner / embedding call failed for good).
-    Nothing was applied; retrying replays the finished calls from the completion memo."""
-
-    def __init__(self, key: str, reason: str) -> None:
-        super().__init__(f"window of key {key!r} failed: {reason}")
-        self.key = key
-        self.reason = reason
 
 
 def _window_rng(seed: int, key: str, version: int, sources: Sequence[Source]) -> random.Random:
@@ -220,7 +189,7 @@ class Learner:
     ) -> None:
         if (max_update_bytes is None) != (update_size is None):
             raise ValueError("max_update_bytes and update_size bound a version together")
-        self._llm = llm
+        self._calls = LearnerCalls(llm)
         self.holdout = holdout
         self.max_update_bytes = max_update_bytes  # what a version may take (None: unbounded)
         self.update_size = update_size  # how many bytes a version takes (what bounds it)
@@ -233,8 +202,16 @@ class Learner:
         # The longest string each role's reply grammar allows (llm.<role>.max_string_chars):
         # a text that long ending mid-sentence was cut there (see tidied).
         self._bounds = dict(string_bounds or {})
-        self._check_example = check_example
         self._prompts = prompts
+        curator_bound = self._bounds.get("curator", 0)
+        self._exemplifier = Exemplifier(
+            self._calls, learning, prompts=prompts, policy=self._policy, bound=curator_bound,
+            check=check_example,
+        )  # fmt: skip
+        self._consolidator = Consolidator(
+            self._calls, learning, prompts=prompts, policy=self._policy, bound=curator_bound,
+            embed=embed,
+        )  # fmt: skip
         self.spec: StrategySpec = strategy(strategy_name or learning.strategy)
         self.params = ScanParams(
             duplication=learning.duplication,
@@ -304,9 +281,9 @@ class Learner:
         messages = reflector_messages(self._prompts, snapshot, trace)
         try:
             if trace.bullet_ids:
-                out = await self._call("reflector", messages, ReflectorOutput, stats)
+                out = await self._calls("reflector", messages, ReflectorOutput, stats)
             else:
-                bare = await self._call("reflector", messages, ReflectorOutputNoTags, stats)
+                bare = await self._calls("reflector", messages, ReflectorOutputNoTags, stats)
                 out = ReflectorOutput(**msgspec.structs.asdict(bare))
         except LLMCallError as exc:
             return FailedTrace(source=source, reason=str(exc))
@@ -413,12 +390,12 @@ class Learner:
                 await warmed.wait()
             first_sent = True
             try:
-                out = await self._call("curator", messages, CuratorOutput, stats)
+                out = await self._calls("curator", messages, CuratorOutput, stats)
             finally:
                 warmed.set()
             operations = tidied(out.operations, self._bounds.get("curator", 0))
             if self._config.worked_examples:
-                operations, shown = await self._exemplified(operations, group, stats)
+                operations, shown = await self._exemplifier.exemplified(operations, group, stats)
             else:
                 shown = {}
             group_tasks = [rec.reviewed for rec in group if rec.task]
@@ -440,7 +417,7 @@ class Learner:
 
         async def combine(partials: Sequence[Delta]) -> Delta:
             messages = combiner_messages(self._prompts, tagged, partials, token_budget=budget)
-            out = await self._call("combiner", messages, CuratorOutput, stats)
+            out = await self._calls("combiner", messages, CuratorOutput, stats)
             return Delta(
                 key=key,
                 operations=tidied(out.operations, self._bounds.get("combiner", 0)),
@@ -525,12 +502,11 @@ class Learner:
         window's ``held_out`` traces already in them. ``measure``: the bytes of the version a
         result makes (the driver's :meth:`~combee_stream.core.versions.KeyChain.measure`),
         bounded by the learner's ``max_update_bytes``; without it nothing bounds the size."""
-        similar = (
-            self._merge_similar if self._embed is not None and self._config.merge_similar else None
-        )
+        merge_similar = self._embed is not None and self._config.merge_similar
+        similar = self._consolidator.merge_similar if merge_similar else None
         ladder = Commit(
             proposal, onto, learning=self._config, gate=self._gate, review=self._apply,
-            consolidate=self.consolidate, max_update_bytes=self.max_update_bytes,
+            consolidate=self._consolidator.consolidate, max_update_bytes=self.max_update_bytes,
             holdout=holdout, held_out=held_out, measure=measure, merge_similar=similar,
         )  # fmt: skip
         return await ladder.run()
@@ -541,43 +517,6 @@ class Learner:
         broker refuses ``result``'s record (``would_be``: its size)."""
         return size_rejected(result, onto, would_be, self.max_update_bytes)
 
-    async def _keeps_each(self, key: str, merged: str, texts: Sequence[str]) -> bool:
-        """Whether a merge states one rule that each bullet it replaces said: embedding cosine
-        at least ``MERGE_COSINE`` from the merged text to every one of them, and between every
-        two of them. A 1.5B consolidator merged an NPV rule and two rounding rules into the NPV
-        rule alone (the first check), and in another run joined an NPV units rule and a Sharpe
-        rounding rule into one bullet of two sentences, 0.86 and 0.56 to them but 0.20 between
-        them (the second: a merge is for rewordings of one rule, not for two rules in one
-        bullet). True without an embedding model (nothing to judge with)."""
-        if self._embed is None:
-            return True
-        try:
-            vectors = await self._embed([merged, *texts])
-        except LLMCallError as exc:
-            raise WindowError(key, f"embedding a merged bullet: {exc}") from exc
-        merged_vector, sources = vectors[0], vectors[1:]
-        return all(cosine(merged_vector, v) >= MERGE_COSINE for v in sources) and all(
-            cosine(a, b) >= MERGE_COSINE for i, a in enumerate(sources) for b in sources[i + 1 :]
-        )
-
-    async def _merge_similar(
-        self, playbook: Playbook, new: set[str], stats: WindowStats
-    ) -> tuple[Playbook, Consolidation | None]:
-        """``playbook`` with each group of bullets that give the same advice as a bullet of
-        ``new`` (:func:`~combee_stream.core.playbook.similar_groups` at
-        ``learning.merge_similar``) merged by the consolidator, which is shown that group
-        alone: asked to find the groups in a whole section, a 1.5B consolidator named six
-        bullets of five different rules as one group (and the merge was refused), while shown
-        the three rounding rules it wrote one rule for beta, DSCR and WACC."""
-        assert self._embed is not None
-        try:
-            groups = await similar_groups(playbook, new, self._embed, self._config.merge_similar)
-        except LLMCallError as exc:
-            raise WindowError(playbook.key, f"embedding similar bullets: {exc}") from exc
-        if not groups:
-            return playbook, None
-        return await self.consolidate(playbook, stats, groups=groups)
-
     async def consolidate(
         self,
         playbook: Playbook,
@@ -585,85 +524,9 @@ class Learner:
         *,
         groups: Sequence[tuple[int, list[str]]] | None = None,
     ) -> tuple[Playbook, Consolidation | None]:
-        """``playbook`` with, per section, the near-duplicates the consolidator names merged
-        into the first of each group (its id, the group's summed counts and provenance), and
-        the bullets whose harmful count exceeds their helpful count by
-        ``learning.drop_harmful_margin`` dropped; None when that changes nothing. A merge that
-        names unknown or already merged bullets, or whose text is too long or breaks the
-        content policy, is refused; a section whose call fails is left as it is. ``groups``
-        ((section index, bullet ids), see :meth:`_merge_similar`): the consolidator is shown
-        each group alone instead of each section, and nothing is dropped."""
-        before = playbook_tokens(playbook)
-        margin = self._config.drop_harmful_margin
-        bullets = [b for s in playbook.sections for b in s.bullets]
-        harmful = [b.id for b in bullets if b.harmful >= b.helpful + margin]
-        dropped = harmful if groups is None else []
-        out = without(playbook, set(dropped))
-        if groups is None:
-            shown = [(i, s) for i, s in enumerate(out.sections) if len(s.bullets) > 1]
-        else:
-            shown = [
-                (i, msgspec.structs.replace(
-                    out.sections[i], bullets=[b for b in out.sections[i].bullets if b.id in ids]
-                ))
-                for i, ids in groups
-            ]  # fmt: skip
-        limit = self._config.max_bullet_chars
-        proposals: dict[int, ConsolidatorOutput] = {}
-
-        async def ask(n: int, section: Section) -> None:
-            messages = consolidator_messages(self._prompts, section, limit)
-            try:
-                proposals[n] = await self._call("consolidator", messages, ConsolidatorOutput, stats)
-            except LLMCallError as exc:
-                log.warning(
-                    "consolidation of a section failed", section=section.name, error=str(exc)
-                )
-
-        async with anyio.create_task_group() as tg:
-            for n, (_, section) in enumerate(shown):
-                tg.start_soon(ask, n, section)
-        merged: list[list[str]] = []
-        refused = 0
-        for n, proposal in sorted(proposals.items()):
-            index, view = shown[n]
-            section = out.sections[index]
-            allowed = {b.id for b in view.bullets}
-            for group_of in proposal.merges:
-                by_id = {b.id: b for b in section.bullets if b.id in allowed}
-                ids = list(dict.fromkeys(group_of.bullet_ids))
-                text = as_rule(group_of.content.strip(), self._bounds.get("curator", 0))
-                if (
-                    len(ids) < 2
-                    or any(i not in by_id for i in ids)
-                    or not text
-                    or len(text) > limit
-                    or violates(text, self._policy)
-                    or not await self._keeps_each(
-                        playbook.key, text, [by_id[i].content for i in ids]
-                    )
-                ):
-                    refused += 1
-                    continue
-                group = [by_id[i] for i in ids]
-                survivor = group[0]
-                survivor.content = text
-                survivor.helpful = sum(b.helpful for b in group)
-                survivor.harmful = sum(b.harmful for b in group)
-                sources = [src for b in group for src in b.sources]
-                survivor.sources = list(dict.fromkeys(sources))[:MAX_BULLET_SOURCES]
-                section.bullets = [b for b in section.bullets if b.id not in ids[1:]]
-                merged.append(ids)
-        if not merged and not dropped:
-            return playbook, None
-        report = Consolidation(
-            tokens_before=before,
-            tokens_after=playbook_tokens(out),
-            merged=merged,
-            dropped=dropped,
-            refused=refused,
-        )
-        return out, report
+        """``playbook`` consolidated as the commit ladder would near its budget
+        (:meth:`~combee_stream.core.consolidation.Consolidator.consolidate`)."""
+        return await self._consolidator.consolidate(playbook, stats, groups=groups)
 
     async def _apply(
         self,
@@ -711,130 +574,6 @@ class Learner:
         except LLMCallError as exc:
             raise WindowError(snapshot.key, f"embedding dedup: {exc}") from exc
 
-    async def _exemplified(
-        self, operations: list[Operation], group: Sequence[ReflectionRecord], stats: WindowStats
-    ) -> tuple[list[Operation], dict[str, str]]:
-        """The curator's ADDs, each with a worked example from the failed trace of its group
-        that shares most words with it (``learning.worked_examples``), and, per normalised new
-        content, the trace id its example came from. An ADD keeps its rule alone when the group
-        has no failed trace with a reference answer, when the call fails, or when the example
-        is empty, cut by the reply's length bound, longer than ``max_bullet_chars`` allows, or
-        breaks the content policy, carries playbook markup or forwards what a trace only quoted
-        (its task is untrusted text): the review would refuse the bullet whole. With
-        ``check_example``, also when its calculation is still wrong for its task after one
-        re-ask that says what it gives (``stats.wrong_examples``); a calculation the check
-        rounds as its task asks is shown rounded, and a reply of results alone gives way to the
-        agent's own calculation when that is right once rounded."""
-        failures = [rec for rec in group if rec.trace]
-        out = list(operations)
-        shown: dict[str, str] = {}
-        if not failures:
-            return out, shown
-        bound = self._bounds.get("curator", 0)
-        quoted = [span for rec in group for span in rec.quoted]
-
-        async def one(i: int, op: AddOp) -> None:
-            words = set(content_words(op.content))
-            record = max(failures, key=lambda rec: len(words & set(content_words(rec.task))))
-            messages = exemplifier_messages(self._prompts, op.content, record)
-            task = record.retry
-            # Checked before the text checks: "write X, not X" is most often the agent's own
-            # calculation, right but unrounded, and told what it gives the exemplifier rounds.
-            for asked in range(2):
-                try:
-                    reply = await self._call("exemplifier", messages, WorkedExample, stats)
-                except LLMCallError as exc:
-                    log.warning("worked example failed", error=str(exc))
-                    return
-                if self._check_example is None or task is None:
-                    break
-                own = self._own_example(reply, record, task)
-                if own is not None:
-                    reply = own
-                    break
-                checked = self._check_example(reply.calculations()[0], task)
-                if checked.problem is None:
-                    reply = msgspec.structs.replace(reply, right=checked.calculation)
-                    break
-                if asked:
-                    stats.wrong_examples += 1
-                    return
-                messages = exemplifier_retry(messages, reply, checked.problem)
-            content = example(op.content, reply)
-            if content is None:
-                return
-            out[i] = msgspec.structs.replace(op, content=content)
-            shown[normalize(content)] = record.reflection.source.trace_id
-            stats.examples += 1
-
-        def example(rule: str, reply: WorkedExample) -> str | None:
-            """The bullet with ``reply``'s example, or None when a text check refuses it."""
-            right, wrong = reply.calculations()
-            content = f"{rule.rstrip()}{EXAMPLE_MARK}{reply.text()}"
-            # A field the grammar's bound stopped was cut mid-calculation.
-            cut = bound and max(len(reply.right), len(reply.wrong)) >= bound - 2
-            if (
-                cut
-                or normalize(right) in _NO_LESSON
-                or not wrong
-                # "write X, not X": on ACE's Formula rows the agent's calculation was often
-                # right and its answer wrong for another reason (unrounded, a unit), and a
-                # 1.5B exemplifier then gives the same calculation twice.
-                or right.replace(" ", "") == wrong.replace(" ", "")
-                # The agent's mistake was a calculation: a bare result shows nothing of it.
-                or (has_formula(wrong) and not has_formula(right))
-                # The review's own text checks (length, policy, markup, quoted spans): they
-                # would refuse the whole bullet, and the rule alone may still pass.
-                or text_problem(content, self._config.max_bullet_chars, self._policy, quoted)
-            ):
-                return None
-            return content
-
-        async with anyio.create_task_group() as tg:
-            for i, op in enumerate(operations):
-                if isinstance(op, AddOp):
-                    tg.start_soon(one, i, op)
-        return out, shown
-
-    def _own_example(
-        self, reply: WorkedExample, record: ReflectionRecord, task: HeldOutTask
-    ) -> WorkedExample | None:
-        """The agent's own calculation, rounded as its task asks, as the example, when the
-        exemplifier answered with a result and the agent's calculation was right but unrounded.
-        Shown "(300000/500000) * 0.04 + (200000/500000) * 0.035 * (1 - 0.26)" (a WACC row of
-        ACE, right to 0.03436 where 0.03 was asked), a real 1.5B exemplifier wrote "write 0.03,
-        not 0.03436" (the twenty-fourth run, docs/benchmarks/quality_24.md): served, that
-        example had the agent round 56 of 100 held-out answers, where the runs whose example
-        showed ``round(<calculation>, 2)`` had it round 94 to 99. What it should have shown is
-        what the check builds from the agent's calculation; an agent right without rounding
-        failed for some other reason, and then nothing is built."""
-        if self._check_example is None or is_calculation(reply.calculations()[0]):
-            return None
-        if not is_calculation(record.calculation):
-            return None
-        checked = self._check_example(record.calculation, task)
-        if checked.problem is not None or checked.calculation == record.calculation:
-            return None
-        return WorkedExample(wrong=record.calculation, right=checked.calculation)
-
-    async def _call(
-        self,
-        kind: PromptRole,
-        messages: list[ChatMessage],
-        output_type: type[T],
-        stats: WindowStats,
-    ) -> T:
-        """One call of the learner, counted by ``kind``; the consolidator and the exemplifier
-        are calls to the curator's endpoint."""
-        stats.llm_calls += 1
-        setattr(stats, _CALLS[kind], getattr(stats, _CALLS[kind]) + 1)
-        role: Role = kind if kind in ("reflector", "curator", "combiner") else "curator"
-        completion = await self._llm.complete(role, messages, output_type)
-        stats.cached_calls += int(completion.cached)
-        stats.tokens_in += completion.tokens_in
-        stats.tokens_out += completion.tokens_out
-        return completion.value
-
 
 def tidied(operations: Sequence[Operation], bound: int) -> list[Operation]:
     """The operations with a last sentence that the grammar's length bound (``bound``
@@ -854,35 +593,14 @@ def tidied(operations: Sequence[Operation], bound: int) -> list[Operation]:
     return out
 
 
-# Embedding cosine a merged bullet keeps to each bullet it replaces, whole bullets compared:
-# MiniLM scores rewordings of one rule 0.6-0.9, different rules below 0.35.
-MERGE_COSINE = 0.5
-_NO_LESSON = frozenset({"", "none", "n a", "no lesson", "nothing"})
-# The WindowStats counter of each kind of learner call.
-_CALLS: Final[dict[PromptRole, str]] = {
-    "reflector": "reflector_calls",
-    "curator": "curator_calls",
-    "combiner": "combiner_calls",
-    "consolidator": "consolidator_calls",
-    "exemplifier": "example_calls",
-}
-
-
 def teaches(reflection: Reflection) -> bool:
     """Whether a reflection has a lesson for the curators (its key insight is not empty or
     "none", as the reflector is told to answer when a success needed nothing)."""
-    return normalize(reflection.key_insight) not in _NO_LESSON
+    return normalize(reflection.key_insight) not in NO_LESSON
 
 
 # How a driver gets its learner: from the config it runs with and the LLM client it made.
 LearnerFactory = Callable[[Config, LLMClient], Learner]
 
 
-__all__ = [
-    "LLM",
-    "Learner",
-    "LearnerFactory",
-    "WindowError",
-    "required_roles",
-    "teaches",
-]
+__all__ = ["Learner", "LearnerFactory", "required_roles", "teaches"]

@@ -35,9 +35,9 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from combee_stream.core.controller import BatchPolicy
-from combee_stream.core.learner import Learner, WindowError
+from combee_stream.core.learner import Learner
 from combee_stream.core.prompts import ReflectionRecord
-from combee_stream.core.results import FailedTrace, Proposal, WindowResult, WindowStats
+from combee_stream.core.results import FailedTrace, Proposal, WindowError, WindowResult, WindowStats
 from combee_stream.core.versions import (
     KeyChain,
     Restored,

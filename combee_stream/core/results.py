@@ -1,6 +1,6 @@
 """What a window yields: the stats of its work, its proposal (the merged delta, before it is
-committed) and its result (the new version's playbook and what was applied or refused), and the
-traces that could not be learned."""
+committed) and its result (the new version's playbook and what was applied or refused), the
+traces that could not be learned, and the error of a window that could not be reduced."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Callable
 from msgspec import Struct
 
 from combee_stream.core.playbook import ApplyResult, SkippedOp
+from combee_stream.errors import CombeeError
 from combee_stream.schemas import (
     Consolidation,
     Delta,
@@ -24,6 +25,16 @@ from combee_stream.schemas import (
 
 # The bytes a version takes where the driver publishes it (what ``max_update_bytes`` bounds).
 UpdateSize = Callable[[PromptUpdate], int]
+
+
+class WindowError(CombeeError):
+    """The window could not be reduced (a curator / combiner / embedding call failed for good).
+    Nothing was applied; retrying replays the finished calls from the completion memo."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"window of key {key!r} failed: {reason}")
+        self.key = key
+        self.reason = reason
 
 
 class FailedTrace(Struct, frozen=True):
@@ -122,4 +133,12 @@ class WindowResult(Struct):
         return [*self.learned, *self.held_out]
 
 
-__all__ = ["FailedTrace", "LeftOut", "Proposal", "UpdateSize", "WindowResult", "WindowStats"]
+__all__ = [
+    "FailedTrace",
+    "LeftOut",
+    "Proposal",
+    "UpdateSize",
+    "WindowError",
+    "WindowResult",
+    "WindowStats",
+]

@@ -2,7 +2,7 @@
 
 Every driver holds one :class:`KeyChain` per key: the engine (restored from the compacted prompts
 topic), offline ``learn`` (restored from ``history.jsonl``) and the benchmarks. A window's
-:class:`~combee_stream.core.learner.WindowResult` becomes the next version with
+:class:`~combee_stream.core.results.WindowResult` becomes the next version with
 :meth:`KeyChain.next_update`; the driver writes it wherever it publishes, and only once it is
 durable calls :meth:`KeyChain.advance`. An operator's re-seed (``prompts set``) goes through
 :func:`seed_update`. So the stats of a version mean the same thing whoever wrote it (see
