@@ -100,7 +100,7 @@ async def test_consolidation_merges_duplicates_drops_the_harmful_and_rewrites_no
     book = new_playbook(KEY)
     book.sections = [Section(name="STRATEGIES & INSIGHTS", bullets=bullets)]
     async with learner() as gated:
-        out, report = await gated.consolidate(book, gated.new_stats())
+        out, report = await gated.consolidator.consolidate(book, gated.new_stats())
     assert report is not None
     assert report.merged == [["s-00001", "s-00002"]] and report.dropped == ["s-00004"]
     [section] = out.sections
@@ -151,7 +151,7 @@ async def test_a_merge_that_drops_what_a_bullet_said_is_refused() -> None:
         learner = Learner(
             Consolidator(merge), LearningConfig(), prompts=load_prompts(), embed=embed,  # type: ignore[arg-type]
         )  # fmt: skip
-        out, report = await learner.consolidate(book, learner.new_stats())
+        out, report = await learner.consolidator.consolidate(book, learner.new_stats())
         if expected is None:
             assert report is None and out == book  # refused: the section as it was
         else:
@@ -226,7 +226,9 @@ async def test_a_group_is_shown_to_the_consolidator_alone_and_merged_within_itse
 
     consolidator = Consolidator()
     learner = Learner(consolidator, LearningConfig(), prompts=load_prompts())  # type: ignore[arg-type]
-    out, report = await learner.consolidate(book, learner.new_stats(), groups=[(0, ["s-1", "s-3"])])
+    out, report = await learner.consolidator.consolidate(
+        book, learner.new_stats(), groups=[(0, ["s-1", "s-3"])]
+    )
     [shown] = consolidator.shown
     assert "[s-1]" in shown and "[s-3]" in shown and "[s-2]" not in shown
     assert report is not None and report.merged == [["s-1", "s-3"]] and report.refused == 1

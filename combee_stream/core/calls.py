@@ -9,9 +9,13 @@ the curator a stronger model gives it to them too).
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Final, Protocol, TypeVar
 
-from combee_stream.core.prompts import PromptRole
+from combee_stream.config import LearningConfig
+from combee_stream.core.prompts import PromptRole, Prompts
 from combee_stream.core.results import WindowStats
 from combee_stream.llm import ChatMessage, Completion, Role
 
@@ -60,4 +64,17 @@ class LearnerCalls:
         return completion.value
 
 
-__all__ = ["LLM", "LearnerCalls"]
+@dataclass(frozen=True, slots=True)
+class CurationContext:
+    """What the steps that call the curator's endpoint besides the curators work with (the
+    exemplifier, the consolidator): the counted calls, the learner's settings and prompts, its
+    content policy, and the longest string the curator's reply grammar allows (0: none)."""
+
+    calls: LearnerCalls
+    learning: LearningConfig
+    prompts: Prompts
+    policy: Sequence[re.Pattern[str]]
+    bound: int = 0
+
+
+__all__ = ["LLM", "CurationContext", "LearnerCalls"]

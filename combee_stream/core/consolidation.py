@@ -12,14 +12,12 @@ two rules into one bullet or drop one of them.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import anyio
 import msgspec
 
-from combee_stream.config import LearningConfig
-from combee_stream.core.calls import LearnerCalls
+from combee_stream.core.calls import CurationContext
 from combee_stream.core.commit import without
 from combee_stream.core.hygiene import as_rule, violates
 from combee_stream.core.outputs import ConsolidatorOutput
@@ -30,7 +28,7 @@ from combee_stream.core.playbook import (
     playbook_tokens,
     similar_groups,
 )
-from combee_stream.core.prompts import Prompts, consolidator_messages
+from combee_stream.core.prompts import consolidator_messages
 from combee_stream.core.results import WindowError, WindowStats
 from combee_stream.llm import LLMCallError
 from combee_stream.logs import get_logger
@@ -46,21 +44,12 @@ MERGE_COSINE = 0.5
 class Consolidator:
     """Merges and drops bullets of a playbook (see the module's docstring)."""
 
-    def __init__(
-        self,
-        calls: LearnerCalls,
-        learning: LearningConfig,
-        *,
-        prompts: Prompts,
-        policy: Sequence[re.Pattern[str]],
-        bound: int = 0,
-        embed: EmbedFn | None = None,
-    ) -> None:
-        self._calls = calls
-        self._config = learning
-        self._prompts = prompts
-        self._policy = policy
-        self._bound = bound  # the curator's reply grammar's longest string (0: none)
+    def __init__(self, context: CurationContext, *, embed: EmbedFn | None = None) -> None:
+        self._calls = context.calls
+        self._config = context.learning
+        self._prompts = context.prompts
+        self._policy = context.policy
+        self._bound = context.bound
         self._embed = embed
 
     async def keeps_each(self, key: str, merged: str, texts: Sequence[str]) -> bool:

@@ -71,7 +71,7 @@ import anyio
 import msgspec
 
 from combee_stream.config import Config, LearningConfig
-from combee_stream.core.calls import LLM, LearnerCalls
+from combee_stream.core.calls import LLM, CurationContext, LearnerCalls
 from combee_stream.core.commit import Commit, size_rejected
 from combee_stream.core.consolidation import Consolidator
 from combee_stream.core.delta import canonical, empty, merge
@@ -131,7 +131,6 @@ from combee_stream.logs import get_logger
 from combee_stream.schemas import (
     AddOp,
     BulletTag,
-    Consolidation,
     Delta,
     HeldOutTask,
     Holdout,
@@ -203,15 +202,12 @@ class Learner:
         # a text that long ending mid-sentence was cut there (see tidied).
         self._bounds = dict(string_bounds or {})
         self._prompts = prompts
-        curator_bound = self._bounds.get("curator", 0)
-        self._exemplifier = Exemplifier(
-            self._calls, learning, prompts=prompts, policy=self._policy, bound=curator_bound,
-            check=check_example,
-        )  # fmt: skip
-        self._consolidator = Consolidator(
-            self._calls, learning, prompts=prompts, policy=self._policy, bound=curator_bound,
-            embed=embed,
-        )  # fmt: skip
+        context = CurationContext(
+            self._calls, learning, prompts, self._policy, self._bounds.get("curator", 0)
+        )
+        self._exemplifier = Exemplifier(context, check=check_example)
+        # Public: what the commit ladder consolidates with, and a test or tool can too.
+        self.consolidator = Consolidator(context, embed=embed)
         self.spec: StrategySpec = strategy(strategy_name or learning.strategy)
         self.params = ScanParams(
             duplication=learning.duplication,
@@ -503,10 +499,10 @@ class Learner:
         result makes (the driver's :meth:`~combee_stream.core.versions.KeyChain.measure`),
         bounded by the learner's ``max_update_bytes``; without it nothing bounds the size."""
         merge_similar = self._embed is not None and self._config.merge_similar
-        similar = self._consolidator.merge_similar if merge_similar else None
+        similar = self.consolidator.merge_similar if merge_similar else None
         ladder = Commit(
             proposal, onto, learning=self._config, gate=self._gate, review=self._apply,
-            consolidate=self._consolidator.consolidate, max_update_bytes=self.max_update_bytes,
+            consolidate=self.consolidator.consolidate, max_update_bytes=self.max_update_bytes,
             holdout=holdout, held_out=held_out, measure=measure, merge_similar=similar,
         )  # fmt: skip
         return await ladder.run()
@@ -516,17 +512,6 @@ class Learner:
         (:func:`~combee_stream.core.commit.size_rejected`): what a driver publishes when the
         broker refuses ``result``'s record (``would_be``: its size)."""
         return size_rejected(result, onto, would_be, self.max_update_bytes)
-
-    async def consolidate(
-        self,
-        playbook: Playbook,
-        stats: WindowStats,
-        *,
-        groups: Sequence[tuple[int, list[str]]] | None = None,
-    ) -> tuple[Playbook, Consolidation | None]:
-        """``playbook`` consolidated as the commit ladder would near its budget
-        (:meth:`~combee_stream.core.consolidation.Consolidator.consolidate`)."""
-        return await self._consolidator.consolidate(playbook, stats, groups=groups)
 
     async def _apply(
         self,

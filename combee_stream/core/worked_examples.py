@@ -15,14 +15,12 @@ the rule goes on alone.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import anyio
 import msgspec
 
-from combee_stream.config import LearningConfig
-from combee_stream.core.calls import LearnerCalls
+from combee_stream.core.calls import CurationContext
 from combee_stream.core.hygiene import (
     EXAMPLE_MARK,
     NO_LESSON,
@@ -32,7 +30,6 @@ from combee_stream.core.hygiene import (
 from combee_stream.core.outputs import ExampleCheck, WorkedExample, is_calculation
 from combee_stream.core.playbook import has_formula, normalize
 from combee_stream.core.prompts import (
-    Prompts,
     ReflectionRecord,
     exemplifier_messages,
     exemplifier_retry,
@@ -49,21 +46,12 @@ class Exemplifier:
     """``await exemplifier.exemplified(operations, group, stats)``: a curator's operations with
     a worked example on each ADD that earns one."""
 
-    def __init__(
-        self,
-        calls: LearnerCalls,
-        learning: LearningConfig,
-        *,
-        prompts: Prompts,
-        policy: Sequence[re.Pattern[str]],
-        bound: int = 0,
-        check: ExampleCheck | None = None,
-    ) -> None:
-        self._calls = calls
-        self._config = learning
-        self._prompts = prompts
-        self._policy = policy
-        self._bound = bound  # the curator's reply grammar's longest string (0: none)
+    def __init__(self, context: CurationContext, *, check: ExampleCheck | None = None) -> None:
+        self._calls = context.calls
+        self._config = context.learning
+        self._prompts = context.prompts
+        self._policy = context.policy
+        self._bound = context.bound
         self._check = check
 
     async def exemplified(
