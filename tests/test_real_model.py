@@ -320,6 +320,8 @@ def test_bench_quality_runs_end_to_end_and_a_rerun_reuses_every_finished_item(
     )
     assert again.returncode == 0, again.stderr[-3000:]
     rerun = json.loads(again.stdout.strip().splitlines()[-1])
-    for field in ("results", "capacity", "train_accuracy", "train_wall_s", "targets"):
+    # wall_s too: an invocation that reuses every item adds no time to the run's
+    assert report["wall_s"] > 0
+    for field in ("results", "capacity", "train_accuracy", "train_wall_s", "wall_s", "targets"):
         assert rerun[field] == report[field], field
     assert _jsonl_files(work) == files, "nothing re-done"
