@@ -2,8 +2,7 @@
 big file for minutes): items done, rate, ETA and, when the caller counts them, the endpoint's
 output tokens per second. A rich bar on a terminal; in a
 log (a ``nohup`` run) one plain line every tenth of the phase or every minute, whichever comes
-first, so a background run says where it is. Phases that run at once share one
-:class:`ProgressBoard` (two live displays on one terminal redraw over each other)."""
+first, so a background run says where it is."""
 
 from __future__ import annotations
 
@@ -26,64 +25,14 @@ from rich.progress import (
 _LINE_EVERY_S = 60.0
 
 
-def _display(stream: TextIO) -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[rate]}"),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-        console=Console(file=stream),
-        transient=False,
-    )
-
-
-class ProgressBoard:
-    """One display for phases that run at once: ``with ProgressBoard() as board: ... with
-    board.phase("learn (combee)", 60) as p: ...``. A bar per phase in one live display on a
-    terminal; in a log, each phase's own lines (they name their phase)."""
-
-    def __init__(self, stream: TextIO | None = None) -> None:
-        self._stream = stream or sys.stderr
-        self._bar: Progress | None = None
-
-    def __enter__(self) -> Self:
-        if self._stream.isatty():
-            self._bar = _display(self._stream)
-            self._bar.start()
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-
-    def phase(self, name: str, total: int, *, done: int = 0) -> PhaseProgress:
-        return PhaseProgress(name, total, done=done, stream=self._stream, display=self._bar)
-
-
 class PhaseProgress:
-    """``with PhaseProgress("eval base", 100) as p: ... p.advance(tokens_out=42)``; phases
-    that run at once take theirs from one :class:`ProgressBoard`."""
+    """``with PhaseProgress("eval base", 100) as p: ... p.advance(tokens_out=42)``."""
 
     def __init__(
-        self,
-        phase: str,
-        total: int,
-        *,
-        done: int = 0,
-        stream: TextIO | None = None,
-        display: Progress | None = None,
+        self, phase: str, total: int, *, done: int = 0, stream: TextIO | None = None
     ) -> None:
         self.phase, self.total, self.done = phase, total, done
         self._stream = stream or sys.stderr
-        self._shared = display  # a board's: this phase adds its bar to it, not a display
         self._tokens = 0
         self._started = time.monotonic()
         self._resumed = done
@@ -93,10 +42,19 @@ class PhaseProgress:
         self._task: TaskID | None = None
 
     def __enter__(self) -> Self:
-        if self._shared is not None or self._stream.isatty():
-            self._bar = self._shared or _display(self._stream)
-            if self._shared is None:
-                self._bar.start()
+        if self._stream.isatty():
+            self._bar = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[rate]}"),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=Console(file=self._stream),
+                transient=False,
+            )
+            self._bar.start()
             self._task = self._bar.add_task(
                 self.phase, total=self.total, completed=self.done, rate=""
             )
@@ -110,10 +68,10 @@ class PhaseProgress:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._bar is None:
-            self._line(force=True)
-        elif self._shared is None:
+        if self._bar is not None:
             self._bar.stop()
+        else:
+            self._line(force=True)
 
     def advance(self, n: int = 1, *, tokens_out: int = 0) -> None:
         self.done += n
@@ -147,4 +105,4 @@ class PhaseProgress:
         )
 
 
-__all__ = ["PhaseProgress", "ProgressBoard"]
+__all__ = ["PhaseProgress"]

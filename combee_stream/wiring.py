@@ -29,7 +29,6 @@ from combee_stream.kafka.sizes import update_bytes
 from combee_stream.llm import LLMClient
 from combee_stream.offline import run as offline
 from combee_stream.offline.run import LearnReport
-from combee_stream.progress import ProgressBoard
 
 
 def load_prompts(prompts_dir: str | Path = "") -> Prompts:
@@ -148,7 +147,6 @@ async def run_learn(
     gate: PublishGate | None = None,
     env: Mapping[str, str] | None = None,
     stderr: TextIO | None = None,
-    board: ProgressBoard | None = None,
 ) -> LearnReport:
     """The whole ``learn`` command, callable from code (benchmarks, tests): offline learning
     (:func:`combee_stream.offline.run.run_learn`) with the learner :func:`build_learner`
@@ -168,7 +166,6 @@ async def run_learn(
         seed=seed,
         env=env,
         stderr=stderr,
-        board=board,
     )
 
 

@@ -111,7 +111,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "agent": BASE | {"kafka"},  # the SDK: no LLM layer, no learning core
     "tasks": BASE,
     "evaluation": BASE | {"kafka", "llm", "core", "tasks"},
-    "wiring": BASE | {"kafka", "llm", "core", "engine", "offline", "evaluation", "progress"},
+    "wiring": BASE | {"kafka", "llm", "core", "engine", "offline", "evaluation"},
     "sim": BASE | {"http", "core", "tasks", "evaluation"},
     "localllm": BASE | {"buildcache", "http"},
     "combee_stream": BASE | {"formats", "kafka", "llm", "core", "evaluation", "wiring"},

@@ -10,8 +10,6 @@
 4. The agent answers the held-out tasks (disjoint from the training ones) with the base prompt
    and with each playbook; accuracy with its 95% Wilson interval, and paired against the base
    prompt (tasks gained and lost, Newcombe's interval of the difference, exact McNemar p).
-   Steps 3 and 4 run at once: the base prompt is evaluated while the strategies learn, each
-   playbook as soon as it is learned (a learner alone leaves most of the endpoint idle).
 5. Per playbook: bullets, near-duplicate bullets (by wordllama embeddings, a measure the
    learner's filter does not use, so the figure can fail), the learner's LLM calls and tokens,
    the share of its prompt tokens the server served from cache, replies cut at max_tokens,
@@ -56,7 +54,7 @@ from combee_stream.evaluation.stats import Paired
 from combee_stream.llm import EMBEDDINGS, LLMCallError, LLMClient
 from combee_stream.offline import LearnReport, LeftOutReport
 from combee_stream.offline.store import OutputDir
-from combee_stream.progress import PhaseProgress, ProgressBoard
+from combee_stream.progress import PhaseProgress
 from combee_stream.schemas import Playbook, PromptUpdate, Trace, decode, encode
 from combee_stream.tasks import KEY, Task, load_tasks, task_feedback
 from combee_stream.wiring import run_learn
@@ -327,33 +325,30 @@ async def run_quality(config: Config, settings: QualitySettings, out: Path) -> Q
             phases.save(out)
         train_wall = phases.train_wall_s
 
-        # The base prompt is evaluated while the strategies learn, and each strategy's playbook
-        # as soon as it is learned: a learner keeps about 40 % of a 4-slot llama-server busy
-        # (its windows wait on their slowest call; the twenty-fifth run: 38 and 43 %), so run
-        # one after the other the phases left the endpoint idle for half an hour. Every
-        # evaluation shares one client, so together they send at most ``llm.concurrency``
-        # requests (the endpoint's slots) and a learner's calls queue behind at most that many.
+        # One phase after the other. Learning while the evaluations ran (the base prompt while
+        # the strategies learned, each playbook once learned) was measured in the twenty-sixth
+        # run (2026-12-07) and gained nothing on 2 cores: one request alone gets half the
+        # machine's decode throughput (11.8 of 22.9 tokens/s) and prefill is compute too, so a
+        # learner alone leaves little idle; the interleaved prompts evicted each other's cached
+        # prefixes (prefill tokens per request 229 against 162 in the twenty-fifth run), and
+        # each window waited behind evaluation requests (combee's first took 32 minutes).
         results: dict[str, EvalResult] = {}
         runs: dict[str, list[str]] = {}
         learned: dict[str, tuple[LearnReport, Playbook]] = {}
-        with ProgressBoard() as board:
-            async with LLMClient(config.llm) as answers, anyio.create_task_group() as tg:
+        async with LLMClient(config.llm) as answers:
 
-                async def evaluate_arm(label: str, prompt: str) -> None:
-                    results[label], runs[label] = await _evaluated(
-                        answers, config.llm.agent.model, prompt, held_out, label, out,
-                        s.concurrency, phases, invocation, board, clock,
-                    )  # fmt: skip
+            async def evaluate_arm(label: str, prompt: str) -> None:
+                results[label], runs[label] = await _evaluated(
+                    answers, config.llm.agent.model, prompt, held_out, label, out,
+                    s.concurrency, phases, invocation, clock,
+                )  # fmt: skip
 
-                async def learn_arm(strategy: str) -> None:
-                    learned[strategy] = await _learned_playbook(
-                        config, s, strategy, traces_path, out, board, clock
-                    )
-                    await evaluate_arm(strategy, render(learned[strategy][1]))
-
-                tg.start_soon(evaluate_arm, "base", "")
-                for strategy in s.strategies:
-                    tg.start_soon(learn_arm, strategy)
+            await evaluate_arm("base", "")
+            for strategy in s.strategies:
+                learned[strategy] = await _learned_playbook(
+                    config, s, strategy, traces_path, out, clock
+                )
+                await evaluate_arm(strategy, render(learned[strategy][1]))
         ticking.cancel_scope.cancel()
     clock.stop()
 
@@ -384,7 +379,7 @@ async def run_quality(config: Config, settings: QualitySettings, out: Path) -> Q
 
 async def _learned_playbook(
     config: Config, s: QualitySettings, strategy: str, traces_path: Path, out: Path,
-    board: ProgressBoard, clock: _Clock,
+    clock: _Clock,
 ) -> tuple[LearnReport, Playbook]:  # fmt: skip
     """``strategy``'s playbook learned from the training traces in its folder (an interrupted
     earlier run is resumed, a finished one reused), with its learn report."""
@@ -404,7 +399,6 @@ async def _learned_playbook(
             batch_size=str(s.batch_size),
             resume=await anyio.Path(folder / "history.jsonl").is_file(),
             env={**os.environ, config.gate.holdout_secret_env: _holdout_secret(out)},
-            board=board,
         )
     history = OutputDir(folder).load_history()
     playbook = history.newest[s.key].playbook if s.key in history.newest else Playbook(key=s.key)
@@ -440,8 +434,8 @@ class _Phases(Struct, kw_only=True):
     reuses their traces reports their time and the endpoint's capacity as measured then."""
 
     capacity: Capacity | None = None
-    # The whole run's wall time, every invocation's that did some work (_Clock): with the
-    # phases overlapped, not the sum of the phases' times.
+    # The whole run's wall time, every invocation's that did some work (_Clock): what the
+    # phases' times leave out (capacity, loading, reports) included.
     wall_s: float = 0.0
     train_wall_s: float = 0.0
     eval_wall_s: dict[str, float] = {}  # by evaluation (its answers file's name)
@@ -537,7 +531,7 @@ def _learned(
 
 async def _evaluated(
     llm: LLMClient, model: str, prompt: str, tasks: list[Task], label: str, out: Path,
-    concurrency: int, phases: _Phases, invocation: str, board: ProgressBoard, clock: _Clock,
+    concurrency: int, phases: _Phases, invocation: str, clock: _Clock,
 ) -> tuple[EvalResult, list[str]]:  # fmt: skip
     """One prompt on the held-out tasks, each answer appended to ``out`` as it is scored: the
     suite is long on 2 cores, and a rerun reuses every answer of the same model and prompt to
@@ -560,7 +554,7 @@ async def _evaluated(
         clock.working = True
         with (
             path.open("ab") as sink,
-            board.phase(f"evaluate ({label})", len(tasks), done=len(done)) as bar,
+            PhaseProgress(f"evaluate ({label})", len(tasks), done=len(done)) as bar,
         ):
 
             def keep(outcome: TaskOutcome, tokens_out: int) -> None:
@@ -871,9 +865,8 @@ def markdown(report: QualityReport) -> str:
     ]
     if report.wall_s:
         preamble.append(
-            f"Whole run: {report.wall_s / 60:.1f} min. After the training stream the phases "
-            "overlap (the base prompt is evaluated while the strategies learn, each playbook as "
-            "soon as it is learned), so the learn and eval minutes below add up to more."
+            f"Whole run: {report.wall_s / 60:.1f} min, capacity measurement to report, over "
+            "every invocation that did some work."
         )
     cache = {
         r.prompt: {role: f"{share:.0%}" for role, share in r.cache_by_role.items()}

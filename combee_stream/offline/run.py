@@ -47,7 +47,7 @@ from combee_stream.formats import trace_format
 from combee_stream.llm import LLMClient, RoleUsage
 from combee_stream.offline.source import BadLine, read_traces
 from combee_stream.offline.store import History, OutputDir
-from combee_stream.progress import PhaseProgress, ProgressBoard
+from combee_stream.progress import PhaseProgress
 from combee_stream.schemas import AddOp, Playbook, PromptUpdate, Source, Trace, UpdateOp
 
 _SHOWN_BAD_LINES: Final = 20
@@ -209,11 +209,10 @@ async def run_learn(
     seed: int | None = None,
     env: Mapping[str, str] | None = None,
     stderr: TextIO | None = None,
-    board: ProgressBoard | None = None,
 ) -> LearnReport:
     """The whole ``learn`` command, callable from code (benchmarks, tests), with the learner
     ``make_learner`` makes of the run's config and LLM client (:func:`combee_stream.run_learn`:
-    the configured one). ``board``: the display of a caller that runs other phases at once."""
+    the configured one)."""
     stderr = stderr or sys.stderr
     started = anyio.current_time()
     learning = config.learning
@@ -288,8 +287,8 @@ async def run_learn(
                 if (newest := history.newest.get(r.key)) and r.version <= newest.version
             ]  # fmt: skip
     client = LLMClient(llm_config, env=env)
-    phase, total = f"learn ({spec.name})", sum(len(v) for v in by_key.values())
-    progress = board.phase(phase, total) if board else PhaseProgress(phase, total, stream=stderr)
+    total = sum(len(v) for v in by_key.values())
+    progress = PhaseProgress(f"learn ({spec.name})", total, stream=stderr)
     sink = FileSink(out, report, progress, history.playbooks, learning.max_attempts)
     try:
         with progress:
