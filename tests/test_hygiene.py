@@ -328,6 +328,16 @@ def test_sentences_that_narrate_the_trace_are_cut_and_the_rule_kept() -> None:
         )
         == "When discounting, use (1 + r)^t."
     )
+    # The reflector's instructions echoed into a lesson (a real run's, 2026-12-07).
+    echo = (
+        "When using the Dividend Discount Model (DDM), ensure that both operands in the "
+        "division operation are numbers. When the agent succeeded and needed nothing beyond "
+        "what the task says, the key insight is 'none'."
+    )
+    assert without_narration(echo) == (
+        "When using the Dividend Discount Model (DDM), ensure that both operands in the "
+        "division operation are numbers."
+    )
 
 
 def test_padding_after_a_formula_name_is_no_lesson_and_a_rule_after_one_is_kept() -> None:

@@ -180,7 +180,12 @@ _NARRATION = re.compile(
     r"|\binstead of the expected\b"
     # First person: "The Market Cap is given in dollars, so we convert it to millions" (a real
     # run's EV bullet, 2026-12-04: its agent then scaled inputs by a million on 4 tasks).
-    r"|\bwe\b|\blet(?:'s| us)\b",
+    r"|\bwe\b|\blet(?:'s| us)\b"
+    # The reflector's own instructions echoed into a lesson: "When the agent succeeded and
+    # needed nothing beyond what the task says, the key insight is 'none'." (a real 1.5B
+    # curator's DDM bullet, served by naive in the twenty-sixth run, 2026-12-07). A rule for
+    # the agent never speaks of the reflection's fields.
+    r"|\bkey insight\b",
     re.IGNORECASE,
 )
 # "use A instead of B" / "A rather than B": the same correction with the fix first.
