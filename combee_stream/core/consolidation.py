@@ -45,11 +45,7 @@ class Consolidator:
     """Merges and drops bullets of a playbook (see the module's docstring)."""
 
     def __init__(self, context: CurationContext, *, embed: EmbedFn | None = None) -> None:
-        self._calls = context.calls
-        self._config = context.learning
-        self._prompts = context.prompts
-        self._policy = context.policy
-        self._bound = context.bound
+        self._context = context
         self._embed = embed
 
     async def keeps_each(self, key: str, merged: str, texts: Sequence[str]) -> bool:
@@ -82,7 +78,9 @@ class Consolidator:
         the three rounding rules it wrote one rule for beta, DSCR and WACC."""
         assert self._embed is not None
         try:
-            groups = await similar_groups(playbook, new, self._embed, self._config.merge_similar)
+            groups = await similar_groups(
+                playbook, new, self._embed, self._context.learning.merge_similar
+            )
         except LLMCallError as exc:
             raise WindowError(playbook.key, f"embedding similar bullets: {exc}") from exc
         if not groups:
@@ -105,7 +103,7 @@ class Consolidator:
         ((section index, bullet ids), see :meth:`merge_similar`): the consolidator is shown
         each group alone instead of each section, and nothing is dropped."""
         before = playbook_tokens(playbook)
-        margin = self._config.drop_harmful_margin
+        margin = self._context.learning.drop_harmful_margin
         bullets = [b for s in playbook.sections for b in s.bullets]
         harmful = [b.id for b in bullets if b.harmful >= b.helpful + margin]
         dropped = harmful if groups is None else []
@@ -119,13 +117,13 @@ class Consolidator:
                 ))
                 for i, ids in groups
             ]  # fmt: skip
-        limit = self._config.max_bullet_chars
+        limit = self._context.learning.max_bullet_chars
         proposals: dict[int, ConsolidatorOutput] = {}
 
         async def ask(n: int, section: Section) -> None:
-            messages = consolidator_messages(self._prompts, section, limit)
+            messages = consolidator_messages(self._context.prompts, section, limit)
             try:
-                proposals[n] = await self._calls(
+                proposals[n] = await self._context.calls(
                     "consolidator", messages, ConsolidatorOutput, stats
                 )
             except LLMCallError as exc:
@@ -145,13 +143,13 @@ class Consolidator:
             for group_of in proposal.merges:
                 by_id = {b.id: b for b in section.bullets if b.id in allowed}
                 ids = list(dict.fromkeys(group_of.bullet_ids))
-                text = as_rule(group_of.content.strip(), self._bound)
+                text = as_rule(group_of.content.strip(), self._context.bound)
                 if (
                     len(ids) < 2
                     or any(i not in by_id for i in ids)
                     or not text
                     or len(text) > limit
-                    or violates(text, self._policy)
+                    or violates(text, self._context.policy)
                     or not await self.keeps_each(
                         playbook.key, text, [by_id[i].content for i in ids]
                     )

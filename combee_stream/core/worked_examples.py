@@ -47,11 +47,7 @@ class Exemplifier:
     a worked example on each ADD that earns one."""
 
     def __init__(self, context: CurationContext, *, check: ExampleCheck | None = None) -> None:
-        self._calls = context.calls
-        self._config = context.learning
-        self._prompts = context.prompts
-        self._policy = context.policy
-        self._bound = context.bound
+        self._context = context
         self._check = check
 
     async def exemplified(
@@ -100,13 +96,13 @@ class Exemplifier:
         """The exemplifier's example of ``rule`` on ``record``'s trace, checked (re-asked once)
         when there is a check and the trace has a task to check it on; None when the call
         fails or the example is still wrong."""
-        messages = exemplifier_messages(self._prompts, rule, record)
+        messages = exemplifier_messages(self._context.prompts, rule, record)
         task = record.retry
         # Checked before the text checks: "write X, not X" is most often the agent's own
         # calculation, right but unrounded, and told what it gives the exemplifier rounds.
         for asked in range(2):
             try:
-                reply = await self._calls("exemplifier", messages, WorkedExample, stats)
+                reply = await self._context.calls("exemplifier", messages, WorkedExample, stats)
             except LLMCallError as exc:
                 log.warning("worked example failed", error=str(exc))
                 return None
@@ -129,7 +125,10 @@ class Exemplifier:
         right, wrong = reply.calculations()
         content = f"{rule.rstrip()}{EXAMPLE_MARK}{reply.text()}"
         # A field the grammar's bound stopped was cut mid-calculation.
-        cut = self._bound and max(len(reply.right), len(reply.wrong)) >= self._bound - 2
+        cut = (
+            self._context.bound
+            and max(len(reply.right), len(reply.wrong)) >= self._context.bound - 2
+        )
         if (
             cut
             or normalize(right) in NO_LESSON
@@ -142,7 +141,9 @@ class Exemplifier:
             or (has_formula(wrong) and not has_formula(right))
             # The review's own text checks (length, policy, markup, quoted spans): they would
             # refuse the whole bullet, and the rule alone may still pass.
-            or text_problem(content, self._config.max_bullet_chars, self._policy, quoted)
+            or text_problem(
+                content, self._context.learning.max_bullet_chars, self._context.policy, quoted
+            )
         ):
             return None
         return content
