@@ -130,9 +130,11 @@ async def test_the_simulated_agent_gets_better_as_the_engine_learns(
             answerer = Answerer(client)
             async with PromptClient(cfg.kafka, key) as prompts, TraceProducer(cfg.kafka) as out:
                 start = prompts.current()
-                accuracy[start.version] = (
-                    await evaluate(answerer, start.text, held_out, label="start")
-                ).accuracy
+                first = await evaluate(answerer, start.text, held_out, label="start")
+                accuracy[start.version] = first.accuracy
+                # each answer keeps its output tokens (what bench quality's floor adds up)
+                assert all(o.tokens_out > 0 for o in first.outcomes)
+                assert sum(o.tokens_out for o in first.outcomes) == first.tokens_out
                 for done, batch in ((4, train[:4]), (8, train[4:])):
                     for task in batch:  # the agent at work: every run becomes a trace
                         prompt = prompts.current()

@@ -320,3 +320,37 @@ def test_quality_phases_forget_an_evaluation_whose_answers_were_deleted() -> Non
     assert name not in phases.eval_runs and name not in phases.eval_wall_s
     phases.kept(name, 3)
     assert phases.eval_runs[name] == [UNRECORDED]
+
+
+def test_quality_reuses_the_answers_of_an_arm_whose_prompt_the_agent_already_had() -> None:
+    """A strategy that served no bullet renders an empty playbook: the agent's system message is
+    then the base prompt's, byte for byte, so ``bench quality`` reuses the base answers (asking
+    again measures only the server's noise, 5 to 8 answers of 100); one bullet makes it
+    another agent."""
+    from combee_stream.core.playbook import render
+    from combee_stream.evaluation.answerer import system_message
+    from combee_stream.schemas import Bullet, Playbook, Section
+
+    empty = Playbook(key="finance")
+    assert system_message(render(empty)) == system_message("")
+    one = Playbook(
+        key="finance",
+        sections=[Section(name="lessons", bullets=[Bullet(id="calc-00001", content="Round.")])],
+    )
+    assert system_message(render(one)) != system_message("")
+    assert "[calc-00001] Round." in system_message(render(one))
+
+
+def test_quality_run_time_is_reported_against_the_floor_of_its_output_tokens() -> None:
+    """60,000 output tokens at 25 tokens/s take 40 minutes at the least: a 100-minute run is
+    2.5 times its floor (hand-computed)."""
+    from combee_stream.bench.quality import Capacity, _run_time
+
+    capacity = Capacity(single_tokens_per_s=12.5, parallel_tokens_per_s=25.0, parallel=4)
+    line = _run_time(6000.0, 60_000, capacity)
+    assert line.startswith("100.0 min, 2.5 times its floor: 60,000 output tokens take 40.0 min")
+    assert line.endswith("25.0 output tokens/s with 4 requests at once")
+    # a work folder begun before the tokens were recorded: the time alone, no floor
+    assert _run_time(6000.0, 0, capacity) == (
+        "100.0 min (endpoint: 25.0 output tokens/s with 4 requests at once)"
+    )

@@ -15,6 +15,10 @@
    the share of its prompt tokens the server served from cache, replies cut at max_tokens,
    windows parked and refused by the gate, its wall time and the share of the endpoint's
    capacity it used.
+6. The whole run's wall time against its floor: every output token the endpoint decoded for it
+   (training traces, evaluations, learning) at the measured parallel rate. An arm whose prompt
+   is another's (a strategy that served no bullet gives the agent the base prompt) reuses that
+   arm's answers instead of asking the same questions again.
 
 Every finished item is written at once and reused by a rerun (a long run on 2 cores is
 interrupted): each training trace (``train_traces.jsonl``), each evaluated answer
@@ -48,7 +52,7 @@ from combee_stream.agent.recorder import RunRecorder
 from combee_stream.bench.report import Target, document, table
 from combee_stream.config import Config, GateConfig
 from combee_stream.core.playbook import render
-from combee_stream.evaluation.answerer import TEMPLATE_DIGEST, Answerer
+from combee_stream.evaluation.answerer import TEMPLATE_DIGEST, Answerer, system_message
 from combee_stream.evaluation.run import EvalResult, TaskOutcome, compare, evaluate
 from combee_stream.evaluation.stats import Paired
 from combee_stream.llm import EMBEDDINGS, LLMCallError, LLMClient
@@ -132,7 +136,12 @@ class PromptRow(Struct, kw_only=True):
     learn_wall_s: float = 0.0
     capacity_share: float = 0.0  # learner output tokens / (wall x parallel capacity)
     eval_wall_s: float = 0.0
+    eval_tokens_out: int = 0  # the agent's output tokens for its answers
     evaluated_by: list[str] = []  # the invocations (start times) that answered its tasks
+    # The arm whose answers it reuses: its playbook gave the agent that arm's very prompt (a
+    # strategy that served no bullet, the base prompt), so asking again would only measure the
+    # server's noise (two evaluations of one prompt differ on 5 to 8 of 100 answers).
+    answers_of: str = ""
 
 
 class QualityReport(Struct, kw_only=True):
@@ -145,6 +154,9 @@ class QualityReport(Struct, kw_only=True):
     # The whole run, capacity measurement to report, over every invocation that did some work
     # (0: a work folder begun before it was recorded).
     wall_s: float = 0.0
+    # Every output token the endpoint decoded for the run (training traces, each evaluation
+    # asked, learning): at capacity.parallel_tokens_per_s, the least wall time it could take.
+    tokens_out: int = 0
     results: list[PromptRow]
     combee_vs_naive: Paired | None
     targets: list[Target]
@@ -184,15 +196,17 @@ async def measure_capacity(base_url: str, model: str, parallel: int) -> Capacity
 
 async def training_traces(
     config: Config, tasks: list[Task], path: Path, key: str, concurrency: int
-) -> tuple[float, float]:
+) -> tuple[float, float, int]:
     """The base agent on the training tasks, as traces in ``path``, each appended as it is
     answered (a rerun asks only the tasks it lacks); the file is rewritten in task order at the
-    end, the order the stream is learned in. Returns (accuracy, wall seconds)."""
+    end, the order the stream is learned in. Returns (accuracy, wall seconds, output tokens),
+    the last two of the tasks this call asked."""
     saved = {t.trace_id: t for t in _read_traces(path)}
     todo = [t for t in tasks if t.id not in saved]
     started = anyio.current_time()
     base = Prompt(key=key, text="", version=0, bullet_ids=[], source="fallback")
     limiter = anyio.CapacityLimiter(concurrency)
+    tokens_out = 0
     if todo:
         with (
             path.open("ab") as sink,
@@ -202,6 +216,7 @@ async def training_traces(
                 answerer = Answerer(llm)
 
                 async def one(task: Task) -> None:
+                    nonlocal tokens_out
                     async with limiter:
                         try:
                             answer = await answerer.answer(base.text, task.question)
@@ -218,6 +233,7 @@ async def training_traces(
                     saved[task.id] = trace
                     sink.write(encode(trace) + b"\n")
                     sink.flush()
+                    tokens_out += answer.tokens_out
                     bar.advance(tokens_out=answer.tokens_out)
 
                 async with anyio.create_task_group() as tg:
@@ -227,7 +243,7 @@ async def training_traces(
     if [t.trace_id for t in _read_traces(path)] != [t.trace_id for t in traces]:
         _write_traces(path, traces)
     accuracy = sum(bool(t.feedback.passed) for t in traces) / max(1, len(traces))
-    return accuracy, anyio.current_time() - started if todo else 0.0
+    return accuracy, anyio.current_time() - started if todo else 0.0, tokens_out
 
 
 def _read_traces(path: Path) -> list[Trace]:
@@ -275,6 +291,7 @@ def _row(
         by_family=result.by_family,
         vs_base=compare(base, result) if base is not None else None,
         eval_wall_s=result.wall_s,
+        eval_tokens_out=sum(o.tokens_out for o in result.outcomes),
         evaluated_by=evaluated_by,
     )
 
@@ -316,12 +333,13 @@ async def run_quality(config: Config, settings: QualitySettings, out: Path) -> Q
     traces_path = out / "train_traces.jsonl"
     async with anyio.create_task_group() as ticking:
         ticking.start_soon(clock.tick)
-        train_accuracy, train_wall = await training_traces(
+        train_accuracy, train_wall, train_tokens = await training_traces(
             config, train, traces_path, s.key, s.concurrency
         )
-        if train_wall:  # the time of the traces made by this invocation, added to the earlier
+        if train_wall:  # the traces made by this invocation, added to the earlier ones
             clock.working = True
             phases.train_wall_s += train_wall
+            phases.train_tokens_out += train_tokens
             phases.save(out)
         train_wall = phases.train_wall_s
 
@@ -335,9 +353,16 @@ async def run_quality(config: Config, settings: QualitySettings, out: Path) -> Q
         results: dict[str, EvalResult] = {}
         runs: dict[str, list[str]] = {}
         learned: dict[str, tuple[LearnReport, Playbook]] = {}
+        answered_with: dict[str, str] = {}  # the agent's system message -> the arm asked with it
+        reused: dict[str, str] = {}  # an arm -> the arm whose answers are its own
         async with LLMClient(config.llm) as answers:
 
             async def evaluate_arm(label: str, prompt: str) -> None:
+                same = answered_with.setdefault(system_message(prompt), label)
+                if same != label:  # the same agent: its answers, not the server's noise again
+                    results[label] = msgspec.structs.replace(results[same], label=label)
+                    runs[label], reused[label] = runs[same], same
+                    return
                 results[label], runs[label] = await _evaluated(
                     answers, config.llm.agent.model, prompt, held_out, label, out,
                     s.concurrency, phases, invocation, clock,
@@ -358,7 +383,11 @@ async def run_quality(config: Config, settings: QualitySettings, out: Path) -> Q
         report, playbook = learned[strategy]
         row = _row(strategy, results[strategy], base, runs[strategy])
         _learned(row, playbook, report, _updates(out / strategy), capacity)
+        row.answers_of = reused.get(strategy, "")
+        if row.answers_of:  # asked once, counted once
+            row.eval_wall_s, row.eval_tokens_out = 0.0, 0
         rows.append(row)
+    tokens_out = phases.train_tokens_out + sum(r.eval_tokens_out + r.learn_tokens_out for r in rows)
     combee_vs_naive = (
         compare(results["naive"], results["combee"])
         if {"naive", "combee"} <= set(results)
@@ -370,9 +399,10 @@ async def run_quality(config: Config, settings: QualitySettings, out: Path) -> Q
         train_accuracy=train_accuracy,
         train_wall_s=train_wall,
         wall_s=phases.wall_s,
+        tokens_out=tokens_out,
         results=rows,
         combee_vs_naive=combee_vs_naive,
-        targets=_targets(rows, combee_vs_naive, phases.wall_s, capacity),
+        targets=_targets(rows, combee_vs_naive, phases.wall_s, tokens_out, capacity),
         notes=[*_notes(s, capacity, config.gate), _sessions_note(rows)],
     )
 
@@ -438,6 +468,7 @@ class _Phases(Struct, kw_only=True):
     # phases' times leave out (capacity, loading, reports) included.
     wall_s: float = 0.0
     train_wall_s: float = 0.0
+    train_tokens_out: int = 0  # the agent's output tokens for the training traces
     eval_wall_s: dict[str, float] = {}  # by evaluation (its answers file's name)
     # By evaluation, the invocations (their start times) that answered some of its tasks. Two
     # evaluations of one prompt on llama-server with 4 slots differ on a share of answers (the
@@ -557,10 +588,10 @@ async def _evaluated(
             PhaseProgress(f"evaluate ({label})", len(tasks), done=len(done)) as bar,
         ):
 
-            def keep(outcome: TaskOutcome, tokens_out: int) -> None:
+            def keep(outcome: TaskOutcome) -> None:
                 sink.write(msgspec.json.encode(outcome) + b"\n")
                 sink.flush()
-                bar.advance(tokens_out=tokens_out)
+                bar.advance(tokens_out=outcome.tokens_out)
 
             result = await evaluate(
                 Answerer(llm), prompt, tasks, label=label, concurrency=concurrency,
@@ -605,9 +636,28 @@ def _updates(folder: Path) -> list[PromptUpdate]:
 RUN_MINUTES: Final = 75
 
 
+def _run_time(wall_s: float, tokens_out: int, capacity: Capacity) -> str:
+    """``wall_s`` against its floor: the run's output tokens at the endpoint's measured parallel
+    rate. A floor, not a goal within reach: prefill (the prompt tokens no cache served) is
+    compute on the same cores, and a learner's window waits for the one before it. None for a
+    work folder begun before the tokens were recorded."""
+    endpoint = (
+        f"{capacity.parallel_tokens_per_s:.1f} output tokens/s with {capacity.parallel} "
+        "requests at once"
+    )
+    if not tokens_out or not capacity.parallel_tokens_per_s:
+        return f"{wall_s / 60:.1f} min (endpoint: {endpoint})"
+    floor = tokens_out / capacity.parallel_tokens_per_s
+    return (
+        f"{wall_s / 60:.1f} min, {wall_s / floor:.1f} times its floor: {tokens_out:,} output "
+        f"tokens take {floor / 60:.1f} min at the endpoint's {endpoint}"
+    )
+
+
 def _targets(
-    rows: list[PromptRow], combee_vs_naive: Paired | None, wall_s: float, capacity: Capacity
-) -> list[Target]:
+    rows: list[PromptRow], combee_vs_naive: Paired | None, wall_s: float, tokens_out: int,
+    capacity: Capacity,
+) -> list[Target]:  # fmt: skip
     combee = next((r for r in rows if r.prompt == "combee"), None)
     if combee is None or combee.vs_base is None:
         return []
@@ -653,12 +703,7 @@ def _targets(
         Target(
             name="the whole run, every arm learned and evaluated",
             target=f"<= {RUN_MINUTES} min",
-            measured=(
-                f"{wall_s / 60:.1f} min (endpoint: {capacity.parallel_tokens_per_s:.1f} output "
-                f"tokens/s with {capacity.parallel} requests at once)"
-                if wall_s
-                else "not recorded"
-            ),
+            measured=_run_time(wall_s, tokens_out, capacity) if wall_s else "not recorded",
             met=0 < wall_s <= RUN_MINUTES * 60,
         ),
     ]
@@ -865,9 +910,15 @@ def markdown(report: QualityReport) -> str:
     ]
     if report.wall_s:
         preamble.append(
-            f"Whole run: {report.wall_s / 60:.1f} min, capacity measurement to report, over "
-            "every invocation that did some work."
+            f"Whole run: {_run_time(report.wall_s, report.tokens_out, report.capacity)}; "
+            "capacity measurement to report, over every invocation that did some work."
         )
+    preamble += [
+        f"{r.prompt} gave the agent the {r.answers_of} prompt's very text (it served no "
+        f"bullet): its answers are the {r.answers_of} prompt's, not asked again."
+        for r in report.results
+        if r.answers_of
+    ]
     cache = {
         r.prompt: {role: f"{share:.0%}" for role, share in r.cache_by_role.items()}
         for r in report.results

@@ -83,6 +83,12 @@ def bullet_ids_of(prompt: str) -> set[str]:
     return set(_BULLET_ID.findall(prompt))
 
 
+def system_message(system_prompt: str) -> str:
+    """The agent's system message for a rendered playbook: two prompts with the same one are
+    the same agent (an empty playbook's is the base prompt's)."""
+    return SYSTEM.format(playbook=system_prompt.strip() or EMPTY_PLAYBOOK)
+
+
 def calculate(expression: str) -> str:
     """The answer the agent gives for ``expression``: the calculator's value, as the scorers
     read it. CalculatorError when the calculator refuses it."""
@@ -96,10 +102,9 @@ class Answerer:
         self._llm = llm
 
     def messages(self, system_prompt: str, question: str) -> list[ChatMessage]:
-        playbook = system_prompt.strip() or EMPTY_PLAYBOOK
         # The question is untrusted text too: it cannot end its block.
         return [
-            {"role": "system", "content": SYSTEM.format(playbook=playbook)},
+            {"role": "system", "content": system_message(system_prompt)},
             {"role": "user", "content": QUESTION.format(question=fence(question))},
         ]
 
@@ -137,4 +142,5 @@ __all__ = [
     "Answerer",
     "bullet_ids_of",
     "calculate",
+    "system_message",
 ]

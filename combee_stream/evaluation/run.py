@@ -22,6 +22,7 @@ class TaskOutcome(Struct, frozen=True, kw_only=True):
     bullet_ids: list[str] = []
     expression: str = ""
     error: str = ""  # the agent's call failed for good (counted as wrong)
+    tokens_out: int = 0  # the agent's output tokens for this answer (0: answers saved before)
 
 
 class EvalResult(Struct, kw_only=True):
@@ -46,11 +47,11 @@ async def evaluate(
     label: str,
     concurrency: int = 4,
     done: Sequence[TaskOutcome] = (),
-    on_outcome: Callable[[TaskOutcome, int], None] | None = None,
+    on_outcome: Callable[[TaskOutcome], None] | None = None,
 ) -> EvalResult:
     """Every task answered once with ``system_prompt``, ``concurrency`` at a time. ``done``:
     outcomes of an earlier, interrupted run of the same prompt (their tasks are not asked
-    again); ``on_outcome(outcome, tokens_out)`` is called as each answer is scored, so a
+    again); ``on_outcome(outcome)`` is called as each answer is scored, so a
     caller can persist it at once."""
     started = anyio.current_time()
     earlier = {o.task_id: o for o in done}
@@ -58,10 +59,10 @@ async def evaluate(
     tokens = [0, 0]
     limiter = anyio.CapacityLimiter(concurrency)
 
-    def finish(index: int, outcome: TaskOutcome, tokens_out: int) -> None:
+    def finish(index: int, outcome: TaskOutcome) -> None:
         outcomes[index] = outcome
         if on_outcome is not None:
-            on_outcome(outcome, tokens_out)
+            on_outcome(outcome)
 
     async def one(index: int, task: Task) -> None:
         async with limiter:
@@ -72,7 +73,7 @@ async def evaluate(
                     task_id=task.id, family=task.family, correct=False, output="",
                     expected=task.answer, error=str(exc),
                 )  # fmt: skip
-                finish(index, failed, 0)
+                finish(index, failed)
                 return
         tokens[0] += answer.tokens_in
         tokens[1] += answer.tokens_out
@@ -84,8 +85,9 @@ async def evaluate(
             expected=task.answer,
             bullet_ids=answer.bullet_ids,
             expression=answer.expression,
+            tokens_out=answer.tokens_out,
         )
-        finish(index, outcome, answer.tokens_out)
+        finish(index, outcome)
 
     async with anyio.create_task_group() as tg:
         for index, task in enumerate(tasks):
