@@ -354,3 +354,45 @@ def test_quality_run_time_is_reported_against_the_floor_of_its_output_tokens() -
     assert _run_time(6000.0, 0, capacity) == (
         "100.0 min (endpoint: 25.0 output tokens/s with 4 requests at once)"
     )
+
+
+def test_quality_report_names_an_arm_whose_answers_are_another_arms() -> None:
+    """The report says which arm's answers an arm reuses, and "served no bullet" only when it
+    is the base prompt's (two strategies may also learn the same playbook)."""
+    from combee_stream.bench.quality import Capacity, PromptRow, QualityReport, QualitySettings
+    from combee_stream.bench.quality import markdown as quality_markdown
+
+    def row(prompt: str, answers_of: str = "") -> PromptRow:
+        return PromptRow(
+            prompt=prompt, accuracy=0.5, ci95=(0.4, 0.6), correct=50, n=100, by_family={},
+            answers_of=answers_of,
+        )  # fmt: skip
+
+    report = QualityReport(
+        settings=QualitySettings(
+            model="m",
+            train="t",
+            train_n=60,
+            held_out="h",
+            held_out_n=100,
+            strategies=["combee", "naive"],
+            batch_size=15,
+            concurrency=4,
+        ),
+        capacity=Capacity(single_tokens_per_s=12.5, parallel_tokens_per_s=25.0, parallel=4),
+        train_accuracy=0.3,
+        train_wall_s=540.0,
+        results=[row("base"), row("combee", "base"), row("naive", "combee")],
+        combee_vs_naive=None,
+        targets=[],
+        notes=[],
+    )
+    text = quality_markdown(report)
+    assert (
+        "combee gave the agent the base prompt's very text (it served no bullet): its answers "
+        "are the base prompt's, not asked again." in text
+    )
+    assert (
+        "naive gave the agent the combee prompt's very text: its answers are the combee "
+        "prompt's, not asked again." in text
+    )

@@ -914,8 +914,9 @@ def markdown(report: QualityReport) -> str:
             "capacity measurement to report, over every invocation that did some work."
         )
     preamble += [
-        f"{r.prompt} gave the agent the {r.answers_of} prompt's very text (it served no "
-        f"bullet): its answers are the {r.answers_of} prompt's, not asked again."
+        f"{r.prompt} gave the agent the {r.answers_of} prompt's very text"
+        + (" (it served no bullet)" if r.answers_of == "base" else "")
+        + f": its answers are the {r.answers_of} prompt's, not asked again."
         for r in report.results
         if r.answers_of
     ]
