@@ -2,12 +2,18 @@
 big file for minutes): items done, rate, ETA and, when the caller counts them, the endpoint's
 output tokens per second. A rich bar on a terminal; in a
 log (a ``nohup`` run) one plain line every tenth of the phase or every minute, whichever comes
-first, so a background run says where it is."""
+first, so a background run says where it is.
+
+A phase whose items each take many model calls (a learn window: reflections, curators, the
+gate's replays; 10-25 minutes each on 2 CPU cores) reports its calls and tokens as they happen
+(:meth:`PhaseProgress.activity`, polled every :attr:`PhaseProgress.refresh_s`), so its line
+moves between two items instead of saying "0/60" for a quarter of an hour."""
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Self, TextIO
 
@@ -29,12 +35,20 @@ class PhaseProgress:
     """``with PhaseProgress("eval base", 100) as p: ... p.advance(tokens_out=42)``."""
 
     def __init__(
-        self, phase: str, total: int, *, done: int = 0, stream: TextIO | None = None
+        self,
+        phase: str,
+        total: int,
+        *,
+        done: int = 0,
+        stream: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.phase, self.total, self.done = phase, total, done
         self._stream = stream or sys.stderr
+        self._clock = clock
         self._tokens = 0
-        self._started = time.monotonic()
+        self._calls = 0
+        self._started = clock()
         self._resumed = done
         self._last_line = 0.0
         self._last_tenth = -1
@@ -73,22 +87,38 @@ class PhaseProgress:
         else:
             self._line(force=True)
 
+    @property
+    def refresh_s(self) -> float:
+        """How often a caller's :meth:`activity` is worth polling: a bar redraws at once, a
+        log gets a line a minute."""
+        return 2.0 if self._bar is not None else _LINE_EVERY_S
+
     def advance(self, n: int = 1, *, tokens_out: int = 0) -> None:
         self.done += n
         self._tokens += tokens_out
+        self._show(n)
+
+    def activity(self, *, calls: int, tokens_out: int) -> None:
+        """The model calls sent and output tokens received so far in this phase (totals, not
+        increments; a caller that reports them here passes no ``tokens_out`` to advance)."""
+        self._calls, self._tokens = calls, tokens_out
+        self._show(0)
+
+    def _show(self, advanced: int) -> None:
         if self._bar is not None and self._task is not None:
-            self._bar.update(self._task, advance=n, rate=self._rate())
+            self._bar.update(self._task, advance=advanced, rate=self._rate())
         else:
             self._line()
 
     def _rate(self) -> str:
-        elapsed = max(time.monotonic() - self._started, 1e-9)
+        elapsed = max(self._clock() - self._started, 1e-9)
         items = (self.done - self._resumed) / elapsed * 60
+        calls = f", {self._calls} model calls" if self._calls else ""
         tokens = f", {self._tokens / elapsed:.1f} tok/s out" if self._tokens else ""
-        return f"{items:.1f}/min{tokens}"
+        return f"{items:.1f}/min{calls}{tokens}"
 
     def _line(self, *, force: bool = False) -> None:
-        now = time.monotonic()
+        now = self._clock()
         tenth = 10 * self.done // self.total if self.total else 10
         if not force and tenth == self._last_tenth and now - self._last_line < _LINE_EVERY_S:
             return

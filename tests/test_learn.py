@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -141,6 +142,21 @@ def test_each_strategy_learns_every_lesson_without_overload(tmp_path: Path, stra
     assert "## Key `sim-k0`" in text and "LESSON[k1-l000]" in text
     saved = msgspec.json.decode((out / "report.json").read_bytes(), type=LearnReport)
     assert saved.windows == report.windows and saved.strategy == strategy
+
+
+def test_learn_says_how_many_model_calls_it_made_on_its_progress_line(tmp_path: Path) -> None:
+    """A window is many calls and minutes on a small server: the progress line counts them as
+    they are made. Its last line's count is the calls the simulator answered."""
+    traces = generate_traces(24, keys=1, lessons=6, seed=5)
+    path = write_traces(tmp_path / "traces.jsonl", traces)
+    log = io.StringIO()
+    report, stats = anyio.run(
+        lambda: learn(SimSettings(seed=5), path, tmp_path / "out", strategy="combee", stderr=log)
+    )
+    answered = sum(role["completed"] for role in stats["roles"].values())
+    assert report.complete and answered > 24  # a reflection per trace, and curators
+    last = log.getvalue().splitlines()[-1]
+    assert last.startswith("learn (combee): 24/24 ") and f", {answered} model calls, " in last
 
 
 def test_the_first_curator_of_a_window_warms_the_prompt_cache_for_the_others(

@@ -197,6 +197,20 @@ def offline_settings(config: Config) -> PipelineSettings:
     )
 
 
+async def _show_activity(progress: PhaseProgress, client: LLMClient, done: anyio.Event) -> None:
+    """The calls and tokens of the windows under way on the progress line, until ``done``."""
+    while True:
+        with anyio.move_on_after(progress.refresh_s):
+            await done.wait()
+        usage = client.usage().values()
+        progress.activity(
+            calls=sum(u.calls - u.cached_calls for u in usage),
+            tokens_out=sum(u.tokens_out for u in usage),
+        )
+        if done.is_set():
+            return
+
+
 async def run_learn(
     config: Config,
     traces_path: Path,
@@ -294,7 +308,19 @@ async def run_learn(
         with progress:
             learner = make_learner(config, client)
             settings = offline_settings(config)
+            finished = anyio.Event()
+            running = len(by_key)
+
+            async def learn_key(pipeline: KeyPipeline) -> None:
+                nonlocal running
+                await pipeline.run()
+                running -= 1
+                if running == 0:
+                    finished.set()
+
             async with anyio.create_task_group() as tg:
+                if by_key:
+                    tg.start_soon(_show_activity, progress, client, finished)
                 for key, items in by_key.items():
                     chain = KeyChain(key, newest=history.newest.get(key))
                     policy = batch_policy(learning, key=key)
@@ -306,7 +332,7 @@ async def run_learn(
                         closed_inbox(items),
                         settings,
                     )
-                    tg.start_soon(pipeline.run)
+                    tg.start_soon(learn_key, pipeline)
             report.complete = True
     finally:
         usage = client.usage()
