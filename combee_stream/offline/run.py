@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Final, TextIO
 
@@ -197,16 +197,19 @@ def offline_settings(config: Config) -> PipelineSettings:
     )
 
 
+def _calls_sent(usage: Iterable[RoleUsage]) -> int:
+    """The model calls that reached an endpoint (a memo hit asked nothing): the report's
+    ``llm_calls`` and the progress line's count."""
+    return sum(u.calls - u.cached_calls for u in usage)
+
+
 async def _show_activity(progress: PhaseProgress, client: LLMClient, done: anyio.Event) -> None:
     """The calls and tokens of the windows under way on the progress line, until ``done``."""
     while True:
         with anyio.move_on_after(progress.refresh_s):
             await done.wait()
         usage = client.usage().values()
-        progress.activity(
-            calls=sum(u.calls - u.cached_calls for u in usage),
-            tokens_out=sum(u.tokens_out for u in usage),
-        )
+        progress.activity(calls=_calls_sent(usage), tokens_out=sum(u.tokens_out for u in usage))
         if done.is_set():
             return
 
@@ -341,7 +344,7 @@ async def run_learn(
         report.keys = len({t.key for t, _ in source.traces} | set(playbooks))
         report.versions = {k: playbooks[k].version for k in sorted(playbooks)}
         report.per_role = usage
-        report.llm_calls = sum(u.calls - u.cached_calls for u in usage.values())
+        report.llm_calls = _calls_sent(usage.values())
         report.cached_calls = sum(u.cached_calls for u in usage.values())
         report.tokens_in = sum(u.tokens_in for u in usage.values())
         report.tokens_out = sum(u.tokens_out for u in usage.values())
